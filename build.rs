@@ -1,0 +1,283 @@
+//! Builds the pinned llama.cpp with sdq's patches and links it into this crate.
+//!
+//! Stages: vendor check (fetch once if missing) → copy + patch into OUT_DIR →
+//! cmake (Release, CPU, static, offline) → tool shims (cc) → bindgen → link.
+//!
+//! The source tree is never modified: the vendored tree is copied into OUT_DIR
+//! and patched there, and files are rewritten only when their content changes,
+//! so cmake rebuilds only what a patch touched. This script reruns only when the
+//! pin, the patches, the shims or itself change, never for a Rust-only edit.
+
+use std::collections::BTreeSet;
+use std::env;
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::{self, Command};
+
+/// Top-level entries of the llama.cpp tree the build never needs (models,
+/// docs, tests, …); leaving them out keeps the copy small.
+const SKIP_TOP_LEVEL: &[&str] = &[
+    "models", "docs", "media", "gguf-py", "tests", "benches", "examples", "pocs", ".github",
+    "conversion", "requirements", "grammars", "skills", ".sdq-pin",
+];
+
+/// The upstream tools the Cargo binaries run (entry shims in shim/tools/).
+const TOOLS: &[&str] = &["cli", "completion", "server", "bench", "perplexity", "quantize"];
+
+/// The headers bindgen reads.
+const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "gguf.h", "llama.h"];
+
+fn main() {
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
+    let out = PathBuf::from(env::var("OUT_DIR").unwrap());
+
+    for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin", "vendor/llama.cpp/.sdq-pin"] {
+        println!("cargo:rerun-if-changed={}", root.join(path).display());
+    }
+    for var in ["SDQ_GGML_NATIVE", "SDQ_CMAKE_JOBS"] {
+        println!("cargo:rerun-if-env-changed={var}");
+    }
+
+    let pin = Pin::read(&root.join("vendor/llama.cpp.pin"));
+    let vendor = ensure_vendor(&root, &pin);
+    let src = stage_patched_tree(&root, &vendor, &out);
+    let build_dir = cmake_build(&root, &src, &pin);
+    compile_shims(&root);
+    generate_bindings(&root, &src, &out);
+    link(&build_dir);
+}
+
+/// The fields of vendor/llama.cpp.pin that the build uses.
+struct Pin {
+    commit: String,
+}
+
+impl Pin {
+    fn read(path: &Path) -> Pin {
+        let text = fs::read_to_string(path)
+            .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+        let commit = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .find(|(k, _)| k.trim() == "commit")
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| fail(&format!("{}: no 'commit = …' line", path.display())));
+        if commit.len() != 40 || !commit.bytes().all(|b| b.is_ascii_hexdigit()) {
+            fail(&format!("{}: commit '{commit}' is not a 40-digit hex id", path.display()));
+        }
+        Pin { commit }
+    }
+}
+
+/// Returns the extracted vendor tree, fetching it once if it is missing or
+/// from another pin.
+fn ensure_vendor(root: &Path, _pin: &Pin) -> PathBuf {
+    let vendor = root.join("vendor/llama.cpp");
+    let stamp = vendor.join(".sdq-pin");
+    let pin_text = fs::read(root.join("vendor/llama.cpp.pin")).ok();
+    if fs::read(&stamp).ok() == pin_text && vendor.join("CMakeLists.txt").is_file() {
+        return vendor;
+    }
+    let script = root.join("scripts/fetch-llama.sh");
+    eprintln!("llama.cpp source missing or stale: running {}", script.display());
+    let ok = Command::new("bash").arg(&script).status().map(|s| s.success()).unwrap_or(false);
+    if !ok || fs::read(&stamp).ok() != pin_text {
+        fail(&format!(
+            "the pinned llama.cpp source is not in {} and could not be fetched.\n\
+             Run `bash scripts/fetch-llama.sh` with network access to PyPI (it needs python3 + pip), then build again.",
+            vendor.display()
+        ));
+    }
+    vendor
+}
+
+/// Copies the vendored tree into a staging directory, applies patches/*.patch
+/// in order, then syncs the result into OUT_DIR/llama.cpp, rewriting only
+/// files whose bytes differ (so unchanged files keep their mtimes).
+fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path) -> PathBuf {
+    let stage = out.join("llama.cpp.stage");
+    let dest = out.join("llama.cpp");
+    let _ = fs::remove_dir_all(&stage);
+    copy_tree(vendor, &stage, true);
+
+    let mut patches: Vec<PathBuf> = fs::read_dir(root.join("patches"))
+        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
+        .unwrap_or_default();
+    patches.retain(|p| p.extension().is_some_and(|e| e == "patch"));
+    patches.sort();
+    for patch in &patches {
+        let status = Command::new("patch")
+            .args(["-p1", "--batch", "--forward", "--silent", "--no-backup-if-mismatch", "-i"])
+            .arg(patch)
+            .current_dir(&stage)
+            .status()
+            .unwrap_or_else(|e| fail(&format!("cannot run `patch` (install it): {e}")));
+        if !status.success() {
+            fail(&format!("{} does not apply to the pinned llama.cpp", patch.display()));
+        }
+    }
+
+    sync_tree(&stage, &dest);
+    let _ = fs::remove_dir_all(&stage);
+    dest
+}
+
+fn copy_tree(from: &Path, to: &Path, top: bool) {
+    fs::create_dir_all(to).unwrap_or_else(|e| fail(&format!("mkdir {}: {e}", to.display())));
+    for entry in fs::read_dir(from).unwrap_or_else(|e| fail(&format!("read {}: {e}", from.display()))) {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        if top && SKIP_TOP_LEVEL.iter().any(|s| name == *s) {
+            continue;
+        }
+        let ty = entry.file_type().unwrap();
+        let target = to.join(&name);
+        if ty.is_dir() {
+            copy_tree(&entry.path(), &target, false);
+        } else if ty.is_file() {
+            fs::copy(entry.path(), &target)
+                .unwrap_or_else(|e| fail(&format!("copy {}: {e}", entry.path().display())));
+        }
+    }
+}
+
+/// Makes `to` hold exactly the files of `from`, touching only what differs.
+fn sync_tree(from: &Path, to: &Path) {
+    fs::create_dir_all(to).unwrap();
+    let mut seen = BTreeSet::new();
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let name = entry.file_name();
+        seen.insert(name.clone());
+        let target = to.join(&name);
+        if entry.file_type().unwrap().is_dir() {
+            if target.is_file() {
+                fs::remove_file(&target).unwrap();
+            }
+            sync_tree(&entry.path(), &target);
+        } else {
+            let new = fs::read(entry.path()).unwrap();
+            if target.is_dir() {
+                fs::remove_dir_all(&target).unwrap();
+            }
+            if fs::read(&target).ok().as_deref() != Some(&new[..]) {
+                fs::write(&target, &new).unwrap_or_else(|e| fail(&format!("write {}: {e}", target.display())));
+            }
+        }
+    }
+    for entry in fs::read_dir(to).unwrap() {
+        let entry = entry.unwrap();
+        if !seen.contains(&entry.file_name()) {
+            let p = entry.path();
+            let _ = if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) };
+        }
+    }
+}
+
+/// Configures and builds the wrapper project (shim/CMakeLists.txt) over the
+/// patched tree; returns the cmake build directory.
+fn cmake_build(root: &Path, src: &Path, pin: &Pin) -> PathBuf {
+    let native = env::var("SDQ_GGML_NATIVE").map(|v| v != "0" && v != "OFF").unwrap_or(true);
+    let mut cfg = cmake::Config::new(root.join("shim"));
+    // Always Release: ggml checks get_alloc_size >= nbytes with a plain assert,
+    // and sdq's 4 KiB expert buffers rely on NDEBUG compiling it out.
+    cfg.profile("Release")
+        .define("SDQ_LLAMA_SRC", src)
+        .define("BUILD_SHARED_LIBS", "OFF")
+        .define("GGML_BACKEND_DL", "OFF")
+        .define("GGML_NATIVE", if native { "ON" } else { "OFF" })
+        .define("GGML_OPENMP", "OFF")
+        .define("GGML_CPU", "ON")
+        .define("LLAMA_BUILD_COMMON", "ON")
+        .define("LLAMA_BUILD_TOOLS", "ON")
+        .define("LLAMA_BUILD_SERVER", "ON")
+        .define("LLAMA_BUILD_TESTS", "OFF")
+        .define("LLAMA_BUILD_EXAMPLES", "OFF")
+        .define("LLAMA_BUILD_APP", "OFF")
+        .define("LLAMA_BUILD_UI", "OFF")
+        .define("LLAMA_USE_PREBUILT_UI", "OFF")
+        .define("LLAMA_OPENSSL", "OFF")
+        .define("LLAMA_LLGUIDANCE", "OFF")
+        .define("LLAMA_ALL_WARNINGS", "OFF")
+        .define("LLAMA_BUILD_NUMBER", "1")
+        .define("LLAMA_BUILD_COMMIT", &pin.commit[..7])
+        .build_target("sdq-tools");
+    if Command::new("ninja").arg("--version").output().is_ok() {
+        cfg.generator("Ninja");
+    }
+    if let Ok(jobs) = env::var("SDQ_CMAKE_JOBS") {
+        cfg.build_arg(format!("-j{jobs}"));
+    }
+    cfg.build().join("build")
+}
+
+/// One object per tool, so each binary links only the tool it runs.
+fn compile_shims(root: &Path) {
+    let mut build = cc::Build::new();
+    build.cpp(true).std("c++17");
+    for tool in TOOLS {
+        build.file(root.join(format!("shim/tools/{tool}.cpp")));
+    }
+    build.compile("sdq_tool_shims");
+}
+
+fn generate_bindings(root: &Path, src: &Path, out: &Path) {
+    let mut builder = bindgen::Builder::default()
+        .clang_arg(format!("-I{}", src.join("ggml/include").display()))
+        .clang_arg(format!("-I{}", src.join("include").display()))
+        .allowlist_function("(ggml|gguf|llama|sdq)_.*")
+        .allowlist_type("(ggml|gguf|llama|sdq)_.*")
+        .allowlist_var("(GGML|GGUF|LLAMA|SDQ)_.*")
+        .prepend_enum_name(false)
+        .layout_tests(false)
+        .derive_default(true);
+    for header in HEADERS {
+        let dir = if header.starts_with("llama") { "include" } else { "ggml/include" };
+        builder = builder.header(src.join(dir).join(header).to_string_lossy());
+    }
+    builder = builder.header(root.join("shim/sdq-hooks.h").to_string_lossy());
+    builder
+        .generate()
+        .unwrap_or_else(|e| fail(&format!("bindgen failed (is libclang installed?): {e}")))
+        .write_to_file(out.join("bindings.rs"))
+        .unwrap_or_else(|e| fail(&format!("writing bindings: {e}")));
+}
+
+/// Links every static library the cmake build produced, as one group so their
+/// order does not matter. The C++ side never references Rust symbols (hooks go
+/// through a run-time table), so the group needs nothing from the rlibs.
+fn link(build_dir: &Path) {
+    let mut archives = Vec::new();
+    find_archives(build_dir, &mut archives);
+    archives.sort();
+    if !archives.iter().any(|a| a.ends_with("libllama.a")) {
+        fail(&format!("no libllama.a under {}", build_dir.display()));
+    }
+    println!("cargo:rustc-link-arg=-Wl,--start-group");
+    for a in &archives {
+        println!("cargo:rustc-link-arg={}", a.display());
+    }
+    println!("cargo:rustc-link-arg=-Wl,--end-group");
+    for lib in ["stdc++", "m", "pthread", "dl"] {
+        println!("cargo:rustc-link-arg=-l{lib}");
+    }
+}
+
+fn find_archives(dir: &Path, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = fs::read_dir(dir) else { return };
+    for entry in rd.flatten() {
+        let p = entry.path();
+        if p.is_dir() {
+            find_archives(&p, out);
+        } else if p.extension().is_some_and(|e| e == "a") {
+            out.push(p);
+        }
+    }
+}
+
+/// Stops the build with one clear message (no panic backtrace).
+fn fail(msg: &str) -> ! {
+    eprintln!("error: {msg}");
+    println!("cargo:warning={}", msg.lines().next().unwrap_or(msg));
+    process::exit(1);
+}

@@ -1,0 +1,20 @@
+// The hook table behind sdq-hooks.h, compiled into libllama.
+#include "sdq-hooks.h"
+
+#include <atomic>
+
+static std::atomic<const sdq_hooks *> g_hooks{nullptr};
+
+void sdq_set_hooks(const sdq_hooks * hooks) {
+    g_hooks.store(hooks, std::memory_order_release);
+}
+
+const sdq_hooks * sdq_get_hooks(void) {
+    return g_hooks.load(std::memory_order_acquire);
+}
+
+bool sdq_is_paged_tensor(const ggml_tensor * t) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->paged_buft && t && t->buffer &&
+           ggml_backend_buffer_get_type(t->buffer) == h->paged_buft;
+}

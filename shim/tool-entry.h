@@ -1,0 +1,29 @@
+// C entry points for the llama.cpp tools. Each tool's entry (one file per tool
+// under tools/, so a binary links only its own tool) calls upstream's entry
+// function -- the body of its three-line main -- and keeps C++ exceptions from
+// crossing into Rust.
+#pragma once
+
+#include <cstdio>
+#include <exception>
+
+template <int (*Entry)(int, char **)>
+static int sdq_guarded(int argc, char ** argv) {
+    try {
+        return Entry(argc, argv);
+    } catch (const std::exception & e) {
+        // Upstream's main would terminate on an escaping exception; exit non-zero with its message instead.
+        std::fprintf(stderr, "%s: error: %s\n", argc > 0 ? argv[0] : "llama", e.what());
+        return 1;
+    } catch (...) {
+        std::fprintf(stderr, "%s: error: unknown exception\n", argc > 0 ? argv[0] : "llama");
+        return 1;
+    }
+}
+
+// SDQ_TOOL_ENTRY(cli) defines `int sdq_tool_cli(int, char **)` calling upstream's `llama_cli`.
+#define SDQ_TOOL_ENTRY(name)                                              \
+    int llama_##name(int argc, char ** argv);                             \
+    extern "C" int sdq_tool_##name(int argc, char ** argv) {              \
+        return sdq_guarded<llama_##name>(argc, argv);                     \
+    }

@@ -1,0 +1,225 @@
+//! `sdq gen-model`: writes real MoE GGUF models (ggml's gguf writer and
+//! quantizers, random weights with trained-looking skewed routing), streaming
+//! tensor data so a model of any size is written in bounded memory.
+
+mod fill;
+mod spec;
+
+pub use spec::{Arch, Fill, ModelSpec, PlannedTensor, PRESETS};
+
+use crate::error::{Error, Result};
+use crate::gguf::{Array, Gguf, GgufBuilder, Value};
+use std::fs::File;
+use std::io::{BufWriter, IsTerminal, Seek, SeekFrom, Write};
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// `general.file_type` of a Q4_K_M model (LLAMA_FTYPE_MOSTLY_Q4_K_M).
+const FTYPE_MOSTLY_Q4_K_M: u32 = 15;
+
+/// The vocabulary the generated models' tokenizer is copied from.
+pub fn default_vocab_file() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("vendor/llama.cpp/models/ggml-vocab-qwen35.gguf")
+}
+
+/// Where and how to write.
+#[derive(Clone, Debug)]
+pub struct GenOptions {
+    pub out: PathBuf,
+    /// GGUF whose `tokenizer.*` keys are copied (padded to the model's vocabulary).
+    pub vocab_file: PathBuf,
+    pub threads: usize,
+    /// Draw a progress bar on stderr.
+    pub progress: bool,
+    /// A name recorded as `general.name` and `sdq.preset`.
+    pub preset: String,
+}
+
+/// What was written.
+#[derive(Clone, Debug)]
+pub struct GenReport {
+    pub path: PathBuf,
+    pub bytes: u64,
+    pub tensors: usize,
+    pub seconds: f64,
+}
+
+/// Writes the model `spec` to `opts.out` (through a temporary file renamed at
+/// the end, so a failed run never leaves a partial model under that name).
+pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
+    spec.validate()?;
+    let start = Instant::now();
+    let plan = spec.plan();
+    let mut builder = GgufBuilder::new(plan.len());
+    write_metadata(spec, opts, &mut builder)?;
+    for t in &plan {
+        builder.add_tensor(&t.name, t.ty, &t.ne);
+    }
+    let meta = builder.meta_bytes();
+    let align = builder.alignment();
+    let data_bytes = builder.tensor_offset(plan.len() - 1) + padded(plan.last().unwrap().nbytes(), align);
+    let total = meta.len() as u64 + data_bytes;
+
+    let tmp = opts.out.with_extension("gguf.partial");
+    let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
+    let mut w = BufWriter::with_capacity(8 << 20, file);
+    let io = |e| Error::io("writing", &tmp, e);
+    w.write_all(&meta).map_err(io)?;
+
+    let mut progress = Progress::new(total, opts.progress);
+    let mut pos = meta.len() as u64;
+    for (i, t) in plan.iter().enumerate() {
+        let at = meta.len() as u64 + builder.tensor_offset(i);
+        assert!(at >= pos, "tensor {} at {at} overlaps the previous one ending at {pos}", t.name);
+        w.write_all(&vec![0u8; (at - pos) as usize]).map_err(io)?;
+        let seed = fill::tensor_seed(spec.seed, &t.name);
+        fill::write_tensor(spec, t, seed, opts.threads, &mut |chunk| {
+            progress.advance(chunk.len() as u64);
+            w.write_all(chunk)
+        })
+        .map_err(io)?;
+        pos = at + t.nbytes();
+    }
+    w.write_all(&vec![0u8; (meta.len() as u64 + data_bytes - pos) as usize]).map_err(io)?;
+    let mut file = w.into_inner().map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
+    let written = file.stream_position().map_err(io)?;
+    assert_eq!(written, total, "wrote {written} bytes, planned {total}");
+    file.seek(SeekFrom::Start(0)).map_err(io)?;
+    file.sync_all().map_err(io)?;
+    drop(file);
+    progress.finish();
+    std::fs::rename(&tmp, &opts.out).map_err(|e| Error::io("cannot rename to", &opts.out, e))?;
+
+    Ok(GenReport { path: opts.out.clone(), bytes: total, tensors: plan.len(), seconds: start.elapsed().as_secs_f64() })
+}
+
+fn padded(n: u64, align: u64) -> u64 {
+    n.div_ceil(align) * align
+}
+
+fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> Result<()> {
+    let arch = spec.arch.name();
+    let k = |key: &str| format!("{arch}.{key}");
+    let u32v = |v: i64| Value::U32(u32::try_from(v).expect("validated geometry fits u32"));
+
+    b.set("general.architecture", &Value::Str(arch.into()));
+    b.set("general.name", &Value::Str(format!("sdq generated {}", opts.preset)));
+    b.set("general.file_type", &Value::U32(FTYPE_MOSTLY_Q4_K_M));
+    b.set("general.quantization_version", &Value::U32(2));
+    b.set("sdq.preset", &Value::Str(opts.preset.clone()));
+    b.set("sdq.seed", &Value::U64(spec.seed));
+
+    b.set(&k("block_count"), &u32v(spec.n_layer as i64));
+    b.set(&k("context_length"), &Value::U32(spec.context_length));
+    b.set(&k("embedding_length"), &u32v(spec.n_embd));
+    b.set(&k("feed_forward_length"), &u32v(spec.n_ff_exp));
+    b.set(&k("attention.head_count"), &u32v(spec.n_head));
+    b.set(&k("attention.head_count_kv"), &u32v(spec.n_head_kv));
+    b.set(&k("attention.key_length"), &u32v(spec.head_dim));
+    b.set(&k("attention.value_length"), &u32v(spec.head_dim));
+    b.set(&k("attention.layer_norm_rms_epsilon"), &Value::F32(1e-6));
+    b.set(&k("rope.freq_base"), &Value::F32(10_000_000.0));
+    b.set(&k("rope.dimension_count"), &u32v(spec.rope_dim()));
+    b.set(&k("expert_count"), &u32v(spec.n_expert));
+    b.set(&k("expert_used_count"), &u32v(spec.n_expert_used));
+    b.set(&k("expert_feed_forward_length"), &u32v(spec.n_ff_exp));
+    if spec.arch == Arch::Qwen35Moe {
+        let sections = spec.rope_sections().expect("validated");
+        b.set(&k("rope.dimension_sections"), &Value::Array(Array::I32(sections.to_vec())));
+        b.set(&k("expert_shared_feed_forward_length"), &u32v(spec.n_ff_shexp));
+        b.set(&k("ssm.conv_kernel"), &u32v(spec.conv_kernel));
+        b.set(&k("ssm.state_size"), &u32v(spec.ssm_head_dim));
+        b.set(&k("ssm.group_count"), &u32v(spec.ssm_k_heads));
+        b.set(&k("ssm.time_step_rank"), &u32v(spec.ssm_v_heads));
+        b.set(&k("ssm.inner_size"), &u32v(spec.ssm_value_dim()));
+        b.set(&k("full_attention_interval"), &Value::U32(spec.full_attention_interval));
+        let recurrent = (0..spec.n_layer).map(|il| spec.is_recurrent(il)).collect();
+        b.set(&k("attention.recurrent_layers"), &Value::Array(Array::Bool(recurrent)));
+    }
+    copy_tokenizer(spec, &opts.vocab_file, b)
+}
+
+/// Copies the `tokenizer.*` keys of `vocab_file`, padding the token list with
+/// unused `[PADn]` tokens up to the model's vocabulary size.
+fn copy_tokenizer(spec: &ModelSpec, vocab_file: &Path, b: &mut GgufBuilder) -> Result<()> {
+    let vocab = Gguf::open(vocab_file)?;
+    let n_tokens = match vocab.get("tokenizer.ggml.tokens") {
+        Some(Value::Array(a)) => a.len(),
+        _ => return Err(Error::gguf(vocab_file, "has no tokenizer.ggml.tokens array")),
+    };
+    if spec.n_vocab < n_tokens {
+        return Err(Error::invalid(format!(
+            "vocabulary {} is smaller than the tokenizer's {n_tokens} tokens in {}",
+            spec.n_vocab,
+            vocab_file.display()
+        )));
+    }
+    let pad = spec.n_vocab - n_tokens;
+    for key in vocab.keys().into_iter().filter(|k| k.starts_with("tokenizer.")) {
+        let value = match (key.as_str(), vocab.get(&key).expect("listed key")) {
+            ("tokenizer.ggml.tokens", Value::Array(Array::Str(mut v))) => {
+                v.extend((n_tokens..spec.n_vocab).map(|i| format!("[PAD{i}]")));
+                Value::Array(Array::Str(v))
+            }
+            ("tokenizer.ggml.token_type", Value::Array(Array::I32(mut v))) => {
+                const TOKEN_TYPE_UNUSED: i32 = 5;
+                v.extend(std::iter::repeat(TOKEN_TYPE_UNUSED).take(pad));
+                Value::Array(Array::I32(v))
+            }
+            ("tokenizer.ggml.scores", Value::Array(Array::F32(mut v))) => {
+                v.extend(std::iter::repeat(0.0).take(pad));
+                Value::Array(Array::F32(v))
+            }
+            (_, v) => v,
+        };
+        b.set(&key, &value);
+    }
+    Ok(())
+}
+
+/// A one-line progress bar on stderr (or nothing).
+struct Progress {
+    total: u64,
+    done: u64,
+    enabled: bool,
+    start: Instant,
+    last_draw: Instant,
+}
+
+impl Progress {
+    fn new(total: u64, enabled: bool) -> Progress {
+        let enabled = enabled && std::io::stderr().is_terminal();
+        Progress { total, done: 0, enabled, start: Instant::now(), last_draw: Instant::now() }
+    }
+
+    fn advance(&mut self, n: u64) {
+        self.done += n;
+        if self.enabled && self.last_draw.elapsed().as_millis() >= 200 {
+            self.last_draw = Instant::now();
+            self.draw();
+        }
+    }
+
+    fn draw(&self) {
+        const WIDTH: usize = 30;
+        let frac = self.done as f64 / self.total.max(1) as f64;
+        let filled = ((frac * WIDTH as f64) as usize).min(WIDTH);
+        let secs = self.start.elapsed().as_secs_f64().max(1e-3);
+        eprint!(
+            "\r[{}{}] {:5.1}% {:.2}/{:.2} GB {:.0} MB/s ",
+            "#".repeat(filled),
+            " ".repeat(WIDTH - filled),
+            frac * 100.0,
+            self.done as f64 / 1e9,
+            self.total as f64 / 1e9,
+            self.done as f64 / 1e6 / secs
+        );
+    }
+
+    fn finish(&self) {
+        if self.enabled {
+            self.draw();
+            eprintln!();
+        }
+    }
+}

@@ -1,0 +1,15 @@
+//! sdq: run mixture-of-experts GGUF models larger than RAM.
+//!
+//! The crate builds the pinned llama.cpp (see `build.rs`), links its tools into
+//! drop-in binaries (`src/bin/`), and generates MoE models to run them on
+//! ([`genmodel`]). The routed-expert pager plugs into llama.cpp through the hook
+//! table declared in `shim/sdq-hooks.h`.
+
+pub mod error;
+pub mod genmodel;
+pub mod ggml;
+pub mod gguf;
+pub mod sys;
+pub mod tools;
+
+pub use error::{Error, Result};

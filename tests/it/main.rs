@@ -1,0 +1,5 @@
+//! Integration tests: real binaries, real GGUF files, real processes.
+
+mod genmodel;
+mod tools;
+mod util;

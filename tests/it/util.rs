@@ -1,0 +1,138 @@
+//! Shared helpers: the built binaries, generated models, processes with
+//! timeouts, and a minimal HTTP client for loopback servers.
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+/// Path of one of this package's binaries.
+pub fn bin(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_BIN_EXE_sdq")).parent().unwrap().to_path_buf();
+    let p = dir.join(name);
+    assert!(p.is_file(), "binary {} not built", p.display());
+    p
+}
+
+/// A scratch directory for this test binary's files.
+pub fn scratch() -> PathBuf {
+    let d = Path::new(env!("CARGO_TARGET_TMPDIR")).join("sdq-it");
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Generates a model with `sdq gen-model ARGS -o scratch/NAME` (once per run).
+pub fn gen_model(name: &str, args: &[&str]) -> PathBuf {
+    let out = scratch().join(name);
+    let o = run(Command::new(bin("sdq")).arg("gen-model").args(args).arg("-o").arg(&out), 600);
+    assert!(o.status.success(), "gen-model {args:?} failed:\n{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+/// The `tiny` preset model, generated once per test run.
+pub fn tiny() -> &'static Path {
+    static TINY: OnceLock<PathBuf> = OnceLock::new();
+    TINY.get_or_init(|| gen_model("tiny.gguf", &["--preset", "tiny", "--seed", "1"]))
+}
+
+/// Runs `cmd` with stdin from /dev/null, killing it after `timeout_s`.
+pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
+    let child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let pid = child.id();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(child.wait_with_output());
+    });
+    match rx.recv_timeout(Duration::from_secs(timeout_s)) {
+        Ok(o) => o.unwrap(),
+        Err(_) => {
+            // The child moved into the waiting thread; kill it by pid.
+            let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
+            panic!("{cmd:?} did not finish within {timeout_s} s");
+        }
+    }
+}
+
+pub fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+pub fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+/// Greedy, deterministic llama-completion arguments for `model`.
+pub fn completion_args(model: &Path, prompt: &str, n: u32) -> Vec<String> {
+    [
+        "-m", model.to_str().unwrap(), "-p", prompt, "-n", &n.to_string(), "--temp", "0", "-no-cnv",
+        "-t", "2", "-c", "512", "--seed", "1", "--no-warmup",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// A port free on 127.0.0.1 right now.
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A child process killed when dropped.
+pub struct KillOnDrop(pub Child);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One HTTP/1.1 request to 127.0.0.1:`port`; returns (status, body).
+pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io::Result<(u16, String)> {
+    let mut s = TcpStream::connect(("127.0.0.1", port))?;
+    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    let body = body.unwrap_or("");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp)?;
+    let resp = String::from_utf8_lossy(&resp).into_owned();
+    let status = resp.split_whitespace().nth(1).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = resp.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    Ok((status, body))
+}
+
+/// Starts llama-server on a free loopback port with `args` and waits until /health is 200.
+pub fn start_server(args: &[&str]) -> (KillOnDrop, u16) {
+    let port = free_port();
+    let child = Command::new(bin("llama-server"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut server = KillOnDrop(child);
+    let start = Instant::now();
+    loop {
+        if let Ok((200, _)) = http(port, "GET", "/health", None) {
+            return (server, port);
+        }
+        if let Ok(Some(status)) = server.0.try_wait() {
+            panic!("llama-server exited early: {status}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "llama-server not healthy within 120 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
