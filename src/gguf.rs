@@ -374,8 +374,8 @@ impl GgufBuilder {
 
     /// Tensor `i`'s data offset, relative to the end of the metadata.
     pub fn tensor_offset(&self, i: usize) -> u64 {
-        // SAFETY: valid context; i < number of tensors added (checked by indexing names).
-        let _ = &self.names[i];
+        assert!(i < self.names.len(), "tensor index {i} of {}", self.names.len());
+        // SAFETY: valid context; i is below the number of tensors added (asserted).
         unsafe { sys::gguf_get_tensor_offset(self.ctx.as_ptr(), i as i64) as u64 }
     }
 

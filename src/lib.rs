@@ -5,6 +5,9 @@
 //! ([`genmodel`]). The routed-expert pager plugs into llama.cpp through the hook
 //! table declared in `shim/sdq-hooks.h`.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 pub mod error;
 pub mod genmodel;
 pub mod ggml;

@@ -57,6 +57,9 @@ struct GenModelArgs {
     vocab: Option<usize>,
     #[arg(long)]
     context_length: Option<u32>,
+    /// qwen35moe: layer i is full attention iff (i + 1) % N == 0, the rest linear attention.
+    #[arg(long)]
+    full_attention_interval: Option<u32>,
     /// Write gate and up experts as one fused ffn_gate_up_exps tensor.
     #[arg(long)]
     fused_gate_up: bool,
@@ -86,7 +89,8 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     }
     set!(n_layer = layers, n_embd = n_embd, n_head = heads, n_head_kv = kv_heads, head_dim = head_dim,
          n_expert = experts, n_expert_used = top_k, n_ff_exp = expert_ff, n_ff_shexp = shared_ff,
-         n_vocab = vocab, context_length = context_length);
+         n_vocab = vocab, context_length = context_length,
+         full_attention_interval = full_attention_interval);
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
     if let Some(t) = &a.expert_type {

@@ -3,6 +3,7 @@
 
 use super::spec::{Fill, ModelSpec, PlannedTensor};
 use crate::ggml::quantize_rows;
+use std::collections::HashMap;
 use std::io;
 
 /// Elements generated and quantized per work unit (4 MiB of f32).
@@ -111,10 +112,75 @@ impl FillContext {
     }
 }
 
-/// Generates tensor `t` and hands its bytes, in file order, to `sink`.
-/// Chunks of whole rows are filled and quantized on `threads` threads; each
-/// chunk's values depend only on (seed, chunk index).
-pub fn write_tensor(
+/// Tensors with more rows than this, whose rows are independent of their
+/// position, are assembled from a pool of this many quantized rows.
+const POOL_ROWS: i64 = 16_384;
+
+/// Writes tensors' bytes. Small tensors are generated and quantized directly;
+/// large row-independent ones (experts, embeddings, output) copy rows picked at
+/// random from a pool that ggml quantized once, because ggml's reference
+/// K-quantizers run at ~10 M weights/s per core and the 35B geometry has 40 G
+/// weights. Every expert remains a distinct draw of real quantized rows.
+pub struct TensorWriter<'a> {
+    spec: &'a ModelSpec,
+    threads: usize,
+    pools: HashMap<String, Vec<u8>>,
+}
+
+impl<'a> TensorWriter<'a> {
+    pub fn new(spec: &'a ModelSpec, threads: usize) -> TensorWriter<'a> {
+        TensorWriter { spec, threads: threads.max(1), pools: HashMap::new() }
+    }
+
+    /// Generates tensor `t` and hands its bytes, in file order, to `sink`.
+    pub fn write(&mut self, t: &PlannedTensor, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        let seed = tensor_seed(self.spec.seed, &t.name);
+        let rows: i64 = t.ne[1..].iter().product();
+        let row_independent = !matches!(t.fill, Fill::Router { .. });
+        if row_independent && rows > 4 * POOL_ROWS {
+            self.write_pooled(t, seed, sink)
+        } else {
+            write_direct(self.spec, t, seed, self.threads, sink)
+        }
+    }
+
+    fn write_pooled(&mut self, t: &PlannedTensor, seed: u64, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+        let n0 = t.ne[0];
+        let row_bytes = t.ty.row_size(n0);
+        let key = format!("{}/{}/{:?}", t.ty.name(), n0, t.fill);
+        if !self.pools.contains_key(&key) {
+            let pool_tensor = PlannedTensor { name: format!("sdq.pool.{key}"), ty: t.ty, ne: vec![n0, POOL_ROWS], fill: t.fill.clone() };
+            let mut pool = Vec::with_capacity(pool_tensor.nbytes() as usize);
+            let pool_seed = tensor_seed(self.spec.seed, &pool_tensor.name);
+            write_direct(self.spec, &pool_tensor, pool_seed, self.threads, &mut |b| {
+                pool.extend_from_slice(b);
+                Ok(())
+            })?;
+            self.pools.insert(key.clone(), pool);
+        }
+        let pool = &self.pools[&key];
+        let rows: i64 = t.ne[1..].iter().product();
+        let rows_per_chunk = (CHUNK_ELEMS / n0).max(1);
+        let mut buf = Vec::with_capacity(row_bytes * rows_per_chunk as usize);
+        let mut first = 0;
+        while first < rows {
+            let nrows = rows_per_chunk.min(rows - first);
+            let mut rng = Rng::new(seed ^ (first as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
+            buf.clear();
+            for _ in 0..nrows {
+                let r = (rng.next_u64() % POOL_ROWS as u64) as usize;
+                buf.extend_from_slice(&pool[r * row_bytes..(r + 1) * row_bytes]);
+            }
+            sink(&buf)?;
+            first += nrows;
+        }
+        Ok(())
+    }
+}
+
+/// Generates and quantizes tensor `t` in chunks of whole rows on `threads`
+/// threads; each chunk's values depend only on (seed, chunk index).
+fn write_direct(
     spec: &ModelSpec,
     t: &PlannedTensor,
     seed: u64,
@@ -179,7 +245,7 @@ mod tests {
         let t = spec.plan().into_iter().find(|t| t.name == "blk.0.ffn_down_exps.weight").unwrap();
         let collect = |threads| {
             let mut out = Vec::new();
-            write_tensor(&spec, &t, 7, threads, &mut |b| {
+            TensorWriter::new(&spec, threads).write(&t, &mut |b| {
                 out.extend_from_slice(b);
                 Ok(())
             })
@@ -189,5 +255,29 @@ mod tests {
         let one = collect(1);
         assert_eq!(one.len() as u64, t.nbytes());
         assert_eq!(one, collect(3));
+    }
+}
+
+#[cfg(test)]
+mod pool_tests {
+    use super::*;
+
+    #[test]
+    fn large_expert_tensors_are_distinct_draws_from_the_pool() {
+        let mut spec = ModelSpec::preset("35b-a3b").unwrap();
+        spec.n_layer = 1;
+        spec.full_attention_interval = 1;
+        let t = spec.plan().into_iter().find(|t| t.name == "blk.0.ffn_down_exps.weight").unwrap();
+        let mut w = TensorWriter::new(&spec, 2);
+        let mut out = Vec::new();
+        w.write(&t, &mut |b| {
+            out.extend_from_slice(b);
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(out.len() as u64, t.nbytes());
+        let per_expert = out.len() / 256;
+        let experts: std::collections::HashSet<&[u8]> = out.chunks(per_expert).collect();
+        assert_eq!(experts.len(), 256, "some experts are identical");
     }
 }

@@ -67,13 +67,13 @@ pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
     w.write_all(&meta).map_err(io)?;
 
     let mut progress = Progress::new(total, opts.progress);
+    let mut tensors = fill::TensorWriter::new(spec, opts.threads);
     let mut pos = meta.len() as u64;
     for (i, t) in plan.iter().enumerate() {
         let at = meta.len() as u64 + builder.tensor_offset(i);
         assert!(at >= pos, "tensor {} at {at} overlaps the previous one ending at {pos}", t.name);
         w.write_all(&vec![0u8; (at - pos) as usize]).map_err(io)?;
-        let seed = fill::tensor_seed(spec.seed, &t.name);
-        fill::write_tensor(spec, t, seed, opts.threads, &mut |chunk| {
+        tensors.write(t, &mut |chunk| {
             progress.advance(chunk.len() as u64);
             w.write_all(chunk)
         })

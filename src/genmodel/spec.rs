@@ -165,8 +165,12 @@ impl ModelSpec {
             if self.ssm_head_dim <= 0 || self.ssm_head_dim % 32 != 0 || self.conv_kernel <= 0 {
                 return bad(format!("linear-attention head dim {} / conv kernel {}", self.ssm_head_dim, self.conv_kernel));
             }
-            if self.full_attention_interval == 0 {
-                return bad("full attention interval must be at least 1".into());
+            if self.full_attention_interval == 0 || self.full_attention_interval > self.n_layer {
+                // llama.cpp cannot build a KV cache without any attention layer.
+                return bad(format!(
+                    "full attention every {} layers leaves {} layers without any attention layer (need an interval of 1..={})",
+                    self.full_attention_interval, self.n_layer, self.n_layer
+                ));
             }
             if self.n_ff_shexp == 0 {
                 return bad("qwen35moe needs a shared expert (shared FFN > 0)".into());
@@ -359,5 +363,48 @@ impl ModelSpec {
         add("output_norm.weight".into(), f32t, vec![e], Fill::Const(1.0));
         add("output.weight".into(), q6k, vec![e, v], dense(e));
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_where(plan: &[PlannedTensor], pred: impl Fn(&str) -> bool) -> u64 {
+        plan.iter().filter(|t| pred(&t.name)).map(|t| t.nbytes()).sum()
+    }
+
+    /// The target model's accounting, computed from its geometry in
+    /// shared/notes/build-and-models.md (not from this generator).
+    #[test]
+    fn the_35b_a3b_plan_matches_the_target_accounting() {
+        let spec = ModelSpec::preset("35b-a3b").unwrap();
+        spec.validate().unwrap();
+        let plan = spec.plan();
+        assert_eq!(bytes_where(&plan, |n| n.ends_with("_exps.weight")), 19_503_513_600);
+        assert_eq!(bytes_where(&plan, |n| n == "token_embd.weight" || n == "output.weight"), 703_242_240);
+        assert_eq!(bytes_where(&plan, |n| n.ends_with("ffn_gate_inp.weight")), 83_886_080);
+        assert_eq!(bytes_where(&plan, |n| n.contains("shexp")), 76_513_280);
+
+        let q6k_down: Vec<u32> = (0..40)
+            .filter(|il| {
+                let name = format!("blk.{il}.ffn_down_exps.weight");
+                plan.iter().find(|t| t.name == name).unwrap().ty == GgmlType::Q6_K
+            })
+            .collect();
+        let expect: Vec<u32> = [0, 1, 2, 3, 4, 7, 10, 13, 16, 19, 22, 25, 28, 31, 34, 35, 36, 37, 38, 39].to_vec();
+        assert_eq!(q6k_down, expect);
+        // Two expert sizes: 2,039,808 B (Q6_K down) and 1,769,472 B (Q4_K down).
+        let per_expert = |il: u32| bytes_where(&plan, |n| n.starts_with(&format!("blk.{il}.")) && n.ends_with("_exps.weight")) / 256;
+        assert_eq!((per_expert(0), per_expert(5)), (2_039_808, 1_769_472));
+        assert_eq!((0..40).filter(|&il| !spec.is_recurrent(il)).count(), 10);
+    }
+
+    #[test]
+    fn tiny_is_small_and_valid() {
+        let spec = ModelSpec::preset("tiny").unwrap();
+        spec.validate().unwrap();
+        let total: u64 = spec.plan().iter().map(|t| t.nbytes()).sum();
+        assert!(total < 100 << 20, "tiny is {total} bytes");
     }
 }

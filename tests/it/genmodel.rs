@@ -85,13 +85,12 @@ fn qwen3moe_loads_and_runs() {
     assert!(!g.tensors().iter().any(|t| t.name.contains("shexp") || t.name.contains("ssm_")));
     let o = run(Command::new(bin("llama-completion")).args(completion_args(&m, "Hello world", 8)), 300);
     assert!(o.status.success(), "qwen3moe model does not run:\n{}", stderr(&o));
-    assert!(stderr(&o).contains("qwen3moe"), "{}", stderr(&o));
 }
 
 #[test]
 fn other_expert_types_load() {
     for ty in ["q8_0", "q4_0"] {
-        let m = gen_model(&format!("tiny-{ty}.gguf"), &["--preset", "tiny", "--layers", "2", "--expert-type", ty]);
+        let m = gen_model(&format!("tiny-{ty}.gguf"), &["--preset", "tiny", "--layers", "4", "--expert-type", ty]);
         let ts = Gguf::open(&m).unwrap().tensors();
         assert_eq!(tensor(&ts, "blk.1.ffn_down_exps.weight").ty, GgmlType::from_name(ty).unwrap());
         let o = run(Command::new(bin("llama-completion")).args(completion_args(&m, "Hi", 4)), 300);
@@ -103,7 +102,7 @@ fn other_expert_types_load() {
 fn the_35b_a3b_geometry_from_a_one_layer_file() {
     // The full file is ~21 GB; one layer of the same geometry checks the
     // per-layer shapes and types from a real file's metadata.
-    let m = gen_model("35b-a3b-1layer.gguf", &["--preset", "35b-a3b", "--layers", "1"]);
+    let m = gen_model("35b-a3b-1layer.gguf", &["--preset", "35b-a3b", "--layers", "1", "--full-attention-interval", "1"]);
     let g = Gguf::open(&m).unwrap();
     let ts = g.tensors();
     assert_eq!(tensor(&ts, "token_embd.weight").ne, [2048, 248_320, 1, 1]);
@@ -126,6 +125,7 @@ fn bad_geometry_is_a_clear_error() {
     for (args, needle) in [
         (&["--experts", "4", "--top-k", "8"][..], "top-k 8 of 4 experts"),
         (&["--n-embd", "100"][..], "n_embd 100"),
+        (&["--layers", "2"][..], "without any attention layer"),
         (&["--preset", "huge"][..], "unknown preset 'huge'"),
         (&["--vocab", "1000"][..], "smaller than the tokenizer"),
         (&["--expert-type", "q9_9"][..], "unknown ggml type 'q9_9'"),
