@@ -31,7 +31,9 @@ fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
 
-    for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin", "vendor/llama.cpp/.sdq-pin"] {
+    // The extracted tree derives from the pin, and a first build writes it
+    // during this run: watching it would rerun this script on the next build.
+    for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin"] {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }
     for var in ["SDQ_GGML_NATIVE", "SDQ_CMAKE_JOBS"] {
