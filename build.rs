@@ -237,6 +237,8 @@ fn generate_bindings(root: &Path, src: &Path, out: &Path) {
         let dir = if header.starts_with("llama") { "include" } else { "ggml/include" };
         builder = builder.header(src.join(dir).join(header).to_string_lossy());
     }
+    // The buffer and buffer-type vtables the paged buffer type implements.
+    builder = builder.header(src.join("ggml/src/ggml-backend-impl.h").to_string_lossy());
     builder = builder.header(root.join("shim/sdq-hooks.h").to_string_lossy());
     builder
         .generate()

@@ -19,24 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 1
-
-/* The expert half of build_moe_ffn, after ggml's routing. */
-struct sdq_moe_args {
-    struct ggml_tensor * cur;              /* input activations [n_embd, n_tokens], F32 */
-    struct ggml_tensor * selected_experts; /* [n_expert_used, n_tokens], I32 (a non-contiguous view) */
-    struct ggml_tensor * weights;          /* [1, n_expert_used, n_tokens], F32, normalized/scaled as stock */
-    struct ggml_tensor * gate_exps;        /* [n_embd, n_ff, n_expert], NULL when fused */
-    struct ggml_tensor * up_exps;          /* [n_embd, n_ff, n_expert], NULL when fused */
-    struct ggml_tensor * gate_up_exps;     /* [n_embd, 2*n_ff, n_expert], NULL when separate */
-    struct ggml_tensor * down_exps;        /* [n_ff, n_embd, n_expert] */
-    int64_t n_expert;
-    int64_t n_expert_used;
-    int32_t il;                            /* layer index */
-    /* NULL when the layer is plain SwiGLU experts; otherwise what stock must do
-     * that sdq does not (biases, scales, LoRA, clamps, other activations). */
-    const char * unsupported;
-};
+#define SDQ_HOOKS_VERSION 2
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -56,10 +39,13 @@ struct sdq_hooks {
     /* Loader: weight `t` (in paged_buft) has its bytes in file `idx` at `offs`. */
     void (*paged_weight)(void * user_data, const struct ggml_tensor * t, uint32_t idx, uint64_t offs);
 
-    /* Graph: build the expert half of a MoE FFN, returning [n_embd, n_tokens]
-     * F32, or NULL for llama.cpp's own graph. */
-    struct ggml_tensor * (*build_moe)(void * user_data, struct ggml_context * ctx,
-                                      struct ggml_cgraph * gf, const struct sdq_moe_args * args);
+    /* Graph: the expert matmul ggml_mul_mat_id(as, b, ids) for a weight `as`
+     * placed in paged_buft. Returns a tensor of ggml_mul_mat_id's shape and
+     * type ([as->ne[1], ids->ne[0], b->ne[2]], F32) computed from the paged
+     * experts; everything around it (activation, biases, scales, LoRA, the
+     * router-weighted sum) stays llama.cpp's own graph. */
+    struct ggml_tensor * (*mul_mat_id)(void * user_data, struct ggml_context * ctx,
+                                       struct ggml_tensor * as, struct ggml_tensor * b, struct ggml_tensor * ids);
 };
 
 /* Install (or, with NULL, remove) the hook table. The table must outlive every

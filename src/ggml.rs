@@ -72,3 +72,72 @@ pub fn quantize_rows(ty: GgmlType, src: &[f32], n_per_row: i64, dst: &mut [u8]) 
         sys::ggml_quantize_chunk(ty.0, src.as_ptr(), dst.as_mut_ptr().cast(), 0, nrows, n_per_row, std::ptr::null())
     }
 }
+
+/// ggml's CPU kernels for multiplying rows of a weight type by activations:
+/// the activation type (`vec_dot_type`), its quantizer and the dot product.
+#[derive(Clone, Copy, Debug)]
+pub struct DotKernels {
+    pub weight: GgmlType,
+    pub activation: GgmlType,
+    from_float: sys::ggml_from_float_t,
+    vec_dot: unsafe extern "C" fn(i32, *mut f32, usize, *const std::ffi::c_void, usize, *const std::ffi::c_void, usize, i32),
+}
+
+impl DotKernels {
+    /// The kernels for weights of type `ty`, or None where ggml's CPU backend
+    /// has no dot product for it.
+    pub fn for_type(ty: GgmlType) -> Option<DotKernels> {
+        if ty.0 >= sys::GGML_TYPE_COUNT || ty.block_size() == 0 {
+            return None;
+        }
+        // SAFETY: ggml_cpu_init is idempotent and fills the tables read next;
+        // ggml_get_type_traits_cpu returns a pointer into a static table for
+        // any valid type.
+        let (w, act) = unsafe {
+            sys::ggml_cpu_init();
+            let w = *sys::ggml_get_type_traits_cpu(ty.0);
+            let act = *sys::ggml_get_type_traits_cpu(w.vec_dot_type);
+            (w, act)
+        };
+        let vec_dot = w.vec_dot?;
+        let activation = GgmlType(w.vec_dot_type);
+        if activation != GgmlType::F32 && act.from_float.is_none() {
+            return None;
+        }
+        Some(DotKernels { weight: ty, activation, from_float: act.from_float, vec_dot })
+    }
+
+    /// Bytes of one activation row of `n` values in the activation type.
+    pub fn activation_row_bytes(&self, n: usize) -> usize {
+        self.activation.row_size(n as i64)
+    }
+
+    /// Converts one activation row to the activation type, as ggml's
+    /// mul_mat does before its dot products.
+    pub fn convert_activation(&self, src: &[f32], dst: &mut [u8]) {
+        let need = self.activation_row_bytes(src.len());
+        assert!(dst.len() >= need, "activation buffer of {} bytes, need {need}", dst.len());
+        match self.from_float {
+            // SAFETY: src holds src.len() floats (a multiple of the block size,
+            // checked by row_size) and dst at least their converted size.
+            Some(f) => unsafe { f(src.as_ptr(), dst.as_mut_ptr().cast(), src.len() as i64) },
+            None => {
+                for (d, s) in dst.chunks_exact_mut(4).zip(src) {
+                    d.copy_from_slice(&s.to_ne_bytes());
+                }
+            }
+        }
+    }
+
+    /// The dot product of one weight row (`n` values in the weight type) with
+    /// one converted activation row.
+    pub fn dot(&self, n: usize, weight_row: &[u8], activation: &[u8]) -> f32 {
+        assert!(weight_row.len() >= self.weight.row_size(n as i64), "weight row too short");
+        assert!(activation.len() >= self.activation_row_bytes(n), "activation row too short");
+        let mut out = 0f32;
+        // SAFETY: both rows hold n values of their types (checked above); one
+        // row (nrc = 1) writes one float into `out`.
+        unsafe { (self.vec_dot)(n as i32, &mut out, 0, weight_row.as_ptr().cast(), 0, activation.as_ptr().cast(), 0, 1) };
+        out
+    }
+}

@@ -8,10 +8,17 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+pub mod backend;
+pub mod budget;
 pub mod error;
 pub mod genmodel;
 pub mod ggml;
 pub mod gguf;
+pub mod hooks;
+pub mod moe;
+pub mod options;
+pub mod pager;
+pub mod runtime;
 pub mod sys;
 pub mod tools;
 

@@ -1,7 +1,9 @@
 //! The drop-in llama.cpp tools: each binary runs one upstream tool's entry
 //! function with upstream's argv, exit code and signal behaviour.
 
-use std::ffi::{c_char, c_int, CString};
+use crate::options::{self, Options};
+use crate::{hooks, runtime};
+use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
 /// An upstream tool's entry function, `int llama_x(int argc, char ** argv)`, behind its C shim.
@@ -22,15 +24,53 @@ pub mod entry {
     }
 }
 
+extern "C" fn print_sdq_help() {
+    eprint!("\n{}", options::HELP);
+}
+
+extern "C" fn finish_runtime() {
+    if let Some(rt) = runtime::get() {
+        rt.finish(true);
+    }
+}
+
 /// Runs the tool behind `entry` with this process's arguments and exits with
-/// its status, as the upstream `main` would.
+/// its status, as the upstream `main` would. sdq's own options are taken out
+/// first; with a RAM budget, routed experts are paged.
 pub fn run(entry: Entry) -> ! {
     // Rust starts with SIGPIPE ignored; upstream's C++ tools die on it (`| head`).
     // SAFETY: restoring the default disposition of a signal before any other thread exists.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let args: Vec<CString> = std::env::args_os()
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).format_target(false).init();
+    let program = std::env::args_os().next().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    let opts = match Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{program}: error: {e}");
+            std::process::exit(1);
+        }
+    };
+    if args.iter().skip(1).any(|a| a == "-h" || a == "--help" || a == "--usage") {
+        // Upstream prints its help and may exit() from inside its parser.
+        // SAFETY: registering a plain extern "C" function with no state.
+        unsafe { libc::atexit(print_sdq_help) };
+    }
+    if opts.budget.is_some() {
+        // Children (llama-server's router re-executes itself) inherit the options.
+        for (k, v) in opts.to_env() {
+            std::env::set_var(k, v);
+        }
+        runtime::install(opts);
+        hooks::install();
+        // Tools may exit() without returning; the stats are written either way.
+        // SAFETY: registering a plain extern "C" function with no state.
+        unsafe { libc::atexit(finish_runtime) };
+    }
+    let args: Vec<CString> = args
+        .into_iter()
         .map(|a| {
             let mut bytes = a.into_vec();
             bytes.retain(|&b| b != 0); // argv strings from the OS never hold NUL
@@ -44,6 +84,7 @@ pub fn run(entry: Entry) -> ! {
     // outlive the call (`args` lives until exit); the shim catches C++
     // exceptions, so nothing unwinds into Rust.
     let code = unsafe { entry(argc, argv.as_mut_ptr()) };
+    finish_runtime();
     // exit() runs atexit handlers and flushes stdio, as returning from main does.
     std::process::exit(code)
 }

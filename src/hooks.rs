@@ -1,0 +1,163 @@
+//! The FFI boundary with the patched llama.cpp: the hook table of
+//! `shim/sdq-hooks.h`, filled with trampolines into the runtime. Every
+//! trampoline runs inside `catch_unwind`, so nothing unwinds into C++.
+
+use crate::backend;
+use crate::ggml::{DotKernels, GgmlType};
+use crate::moe::{self, PagedMatmul};
+use crate::pager::layout::{Part, PagedTensor};
+use crate::runtime::{self, fatal};
+use crate::sys;
+use std::collections::HashMap;
+use std::ffi::{c_char, c_void, CStr};
+use std::path::PathBuf;
+use std::sync::{Mutex, OnceLock};
+
+struct HookTable(sys::sdq_hooks);
+
+// SAFETY: the table is written once and then only read (by llama.cpp).
+unsafe impl Send for HookTable {}
+// SAFETY: as above.
+unsafe impl Sync for HookTable {}
+
+static HOOKS: OnceLock<HookTable> = OnceLock::new();
+
+/// Installs sdq's hooks into llama.cpp: from now on, routed-expert weights of
+/// models loaded in this process are paged. Needs the runtime installed first.
+pub fn install() {
+    assert!(runtime::get().is_some(), "hooks need the runtime");
+    let table = HOOKS.get_or_init(|| {
+        HookTable(sys::sdq_hooks {
+            version: sys::SDQ_HOOKS_VERSION,
+            user_data: std::ptr::null_mut(),
+            paged_buft: backend::buffer_type(),
+            loader_file: Some(loader_file),
+            is_paged: Some(is_paged),
+            paged_weight: Some(paged_weight),
+            mul_mat_id: Some(mul_mat_id),
+        })
+    });
+    // SAFETY: the table is static, so it outlives every model.
+    unsafe { sys::sdq_set_hooks(&table.0) };
+}
+
+/// Runs `f`, turning a panic into a clean fatal error.
+fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| fatal(&format!("internal error in {what}")))
+}
+
+/// # Safety
+/// `t` must be a valid tensor.
+unsafe fn tensor_name(t: *const sys::ggml_tensor) -> String {
+    // SAFETY: ggml tensor names are NUL-terminated arrays.
+    unsafe { CStr::from_ptr((*t).name.as_ptr()) }.to_string_lossy().into_owned()
+}
+
+extern "C" fn loader_file(_: *mut c_void, idx: u32, path: *const c_char) {
+    guard("loader_file", || {
+        // SAFETY: llama.cpp passes the path it opened, NUL-terminated.
+        let path = unsafe { CStr::from_ptr(path) };
+        let path = PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(path.to_bytes()));
+        if let Some(rt) = runtime::get() {
+            rt.on_loader_file(idx, path);
+        }
+    })
+}
+
+extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor) -> bool {
+    guard("is_paged", || {
+        let Some(rt) = runtime::get() else { return false };
+        // SAFETY: llama.cpp passes a valid tensor descriptor.
+        let (name, ty) = unsafe { (tensor_name(meta), GgmlType((*meta).type_)) };
+        rt.is_paged(&name, ty).unwrap_or_else(|e| fatal(&e.to_string()))
+    })
+}
+
+extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32, offs: u64) {
+    guard("paged_weight", || {
+        let Some(rt) = runtime::get() else { return };
+        // SAFETY: llama.cpp passes the tensor it just created.
+        let (name, t) = unsafe { (tensor_name(t), &*t) };
+        let Some((layer, part)) = Part::from_tensor_name(&name) else {
+            fatal(&format!("tensor {name} was paged but is not a routed expert"))
+        };
+        rt.on_paged_weight(PagedTensor {
+            name,
+            layer,
+            part,
+            ty: GgmlType(t.type_),
+            ne: t.ne,
+            nb: t.nb,
+            file: idx,
+            offset: offs,
+        });
+    })
+}
+
+/// One `PagedMatmul` per paged tensor name, kept for the process's lifetime
+/// (graphs are rebuilt and reused; their userdata must stay valid).
+fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static PagedMatmul {
+    static OPS: OnceLock<Mutex<HashMap<String, &'static PagedMatmul>>> = OnceLock::new();
+    let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    ops.entry(name.to_string()).or_insert_with(|| {
+        let kernels = DotKernels::for_type(ty).unwrap_or_else(|| fatal(&format!("{name}: no CPU dot product for {}", ty.name())));
+        let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
+        Box::leak(Box::new(PagedMatmul {
+            name: name.to_string(),
+            layer,
+            part,
+            kernels,
+            counts_tokens: part == Part::Down && layer == first_layer,
+        }))
+    })
+}
+
+extern "C" fn mul_mat_id(
+    _: *mut c_void,
+    ctx: *mut sys::ggml_context,
+    a: *mut sys::ggml_tensor,
+    b: *mut sys::ggml_tensor,
+    ids: *mut sys::ggml_tensor,
+) -> *mut sys::ggml_tensor {
+    guard("mul_mat_id", || {
+        // SAFETY: llama.cpp passes valid tensors of the graph being built.
+        let (name, at, bt, it) = unsafe { (tensor_name(a), &*a, &*b, &*ids) };
+        let Some((layer, part)) = Part::from_tensor_name(&name) else {
+            fatal(&format!("paged matmul for {name}, which is not a routed expert"))
+        };
+        let shape_ok = bt.type_ == sys::GGML_TYPE_F32
+            && it.type_ == sys::GGML_TYPE_I32
+            && bt.ne[0] == at.ne[0]
+            && bt.ne[2] == it.ne[1]
+            && (bt.ne[1] == 1 || bt.ne[1] == it.ne[0])
+            && bt.nb[0] == 4
+            && bt.ne[3] == 1;
+        if !shape_ok {
+            fatal(&format!(
+                "{name}: unsupported expert matmul shapes (b {:?} {}, ids {:?})",
+                bt.ne,
+                GgmlType(bt.type_).name(),
+                it.ne
+            ));
+        }
+        let op = paged_matmul(&name, layer, part, GgmlType(at.type_));
+        let mut args = [a, b, ids];
+        // SAFETY: ctx is the graph's context; args are 3 valid tensors; the
+        // callback and its leaked userdata live for the whole process.
+        unsafe {
+            sys::ggml_custom_4d(
+                ctx,
+                sys::GGML_TYPE_F32,
+                at.ne[1],
+                it.ne[0],
+                bt.ne[2],
+                1,
+                args.as_mut_ptr(),
+                3,
+                Some(moe::paged_mul_mat_id),
+                -1, // GGML_N_TASKS_MAX: every thread of the graph
+                op as *const PagedMatmul as *mut c_void,
+            )
+        }
+    })
+}

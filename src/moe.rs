@@ -1,0 +1,125 @@
+//! Expert compute: the ggml custom op that replaces `ggml_mul_mat_id` for a
+//! paged expert weight. It multiplies exactly as ggml's CPU mul_mat_id does
+//! without repacking (each activation row converted with `from_float` to the
+//! weight's `vec_dot_type`, then one `vec_dot` per output value), so results
+//! match that path bit for bit; the weights come from pinned arena slots.
+//!
+//! Work is split by expert: thread `ith` takes every `nth`-th expert the batch
+//! uses, pins it, computes all of its tokens and releases it at once. Each
+//! output value belongs to one (token, slot) pair, so threads never write the
+//! same memory and no reduction is needed; the router-weighted sum is
+//! llama.cpp's own ops, in its own order.
+//!
+//! This is an FFI entry point (ggml calls it on its worker threads): tensor
+//! access here is raw, with each block's invariant stated.
+
+use crate::ggml::DotKernels;
+use crate::pager::layout::Part;
+use crate::runtime::{self, fatal};
+use crate::sys;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::ffi::{c_int, c_void};
+
+/// What one paged matmul needs, fixed when the graph is built (graphs are
+/// reused, so this lives as long as the process).
+#[derive(Debug)]
+pub struct PagedMatmul {
+    pub name: String,
+    pub layer: u32,
+    pub part: Part,
+    pub kernels: DotKernels,
+    /// True for the first paged layer's down projection: it counts tokens.
+    pub counts_tokens: bool,
+}
+
+thread_local! {
+    /// A converted activation row, reused across calls on this thread.
+    static ACTIVATION: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Reads `ids[k, t]` (an I32 view that may be non-contiguous).
+///
+/// # Safety
+/// `ids` must be a valid I32 tensor with k < ne0 and t < ne1.
+unsafe fn expert_id(ids: &sys::ggml_tensor, k: i64, t: i64) -> i32 {
+    // SAFETY: in bounds per the contract; nb gives the byte strides.
+    unsafe { *((ids.data as *const u8).add(t as usize * ids.nb[1] + k as usize * ids.nb[0]) as *const i32) }
+}
+
+/// The op: dst[:, k, t] = as[:, :, ids[k, t]] · b[:, k % b.ne1, t].
+///
+/// # Safety
+/// Called by ggml with `dst` built by `hooks::mul_mat_id` (src = as, b, ids)
+/// and `userdata` pointing at a leaked `PagedMatmul`.
+pub unsafe extern "C" fn paged_mul_mat_id(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
+    let run = std::panic::catch_unwind(|| {
+        // SAFETY: per this function's contract, dst and its sources are valid
+        // tensors whose data ggml allocated for this graph, and userdata is a
+        // PagedMatmul that is never freed.
+        unsafe { compute(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedMatmul)) }
+    });
+    if run.is_err() {
+        fatal("internal error in the paged expert matmul");
+    }
+}
+
+/// # Safety
+/// As for `paged_mul_mat_id`.
+unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &PagedMatmul) {
+    // SAFETY: src[0..3] were set by ggml_custom_4d from the hook's arguments.
+    let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
+    let (cols, rows) = (w.ne[0], w.ne[1]);
+    let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+    let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
+    let pager = rt.pager(n_used as usize);
+    if op.counts_tokens && ith == 0 {
+        rt.count_tokens(n_tokens as u64);
+    }
+
+    // Which (slot k, token t) pairs each expert serves, experts in ascending order.
+    let mut by_expert: BTreeMap<i32, Vec<(i64, i64)>> = BTreeMap::new();
+    for t in 0..n_tokens {
+        for k in 0..n_used {
+            // SAFETY: k < ne0 and t < ne1 of ids.
+            let e = unsafe { expert_id(ids, k, t) };
+            by_expert.entry(e).or_default().push((k, t));
+        }
+    }
+
+    let kernels = &op.kernels;
+    let act_bytes = kernels.activation_row_bytes(cols as usize);
+    ACTIVATION.with_borrow_mut(|act| {
+        act.resize(act_bytes, 0);
+        for (_, (&e, uses)) in by_expert.iter().enumerate().filter(|(i, _)| i % nth == ith) {
+            if e < 0 {
+                fatal(&format!("{}: router selected expert {e}", op.name));
+            }
+            // ggml runs a layer's gate (or fused gate_up) matmul first: it is
+            // SwiGLU's first source. That acquire counts the use.
+            let first = matches!(op.part, Part::Gate | Part::GateUp);
+            let expert = pager.acquire(op.layer, e as u32, first).unwrap_or_else(|err| fatal(&err.to_string()));
+            let weights = expert.part(op.part);
+            let row_bytes = weights.len() / rows as usize;
+            for &(k, t) in uses {
+                // SAFETY: b is F32 [cols, b.ne1, n_tokens] with contiguous rows
+                // (checked when the op was built); k % ne1 and t are in range.
+                let b_row = unsafe {
+                    let p = (b.data as *const u8).add(t as usize * b.nb[2] + (k % b.ne[1]) as usize * b.nb[1]);
+                    std::slice::from_raw_parts(p as *const f32, cols as usize)
+                };
+                kernels.convert_activation(b_row, act);
+                // SAFETY: dst is F32 [rows, n_used, n_tokens], contiguous; the
+                // row (k, t) belongs to expert e alone, and e to this thread alone.
+                let out = unsafe {
+                    let p = (dst.data as *mut u8).add(t as usize * dst.nb[2] + k as usize * dst.nb[1]);
+                    std::slice::from_raw_parts_mut(p as *mut f32, rows as usize)
+                };
+                for (r, o) in out.iter_mut().enumerate() {
+                    *o = kernels.dot(cols as usize, &weights[r * row_bytes..(r + 1) * row_bytes], act);
+                }
+            }
+            drop(expert); // release the slot as soon as this expert is done
+        }
+    });
+}

@@ -1,0 +1,169 @@
+//! sdq's options on every tool: `--ram-budget SIZE` (or `--ram-budget-mb N`),
+//! `--sdq-reserve SIZE`, `--sdq-stats FILE`, and their environment variables
+//! `SDQ_RAM_BUDGET`, `SDQ_RESERVE_MB`, `SDQ_STATS_FILE`. They are taken out of
+//! argv before upstream's parser sees it; flags win over the environment.
+
+use crate::budget::{parse_size, MIB};
+use crate::error::{Error, Result};
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// What the user asked of sdq. No budget: stock llama.cpp.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Options {
+    pub budget: Option<u64>,
+    pub reserve: Option<u64>,
+    pub stats_file: Option<PathBuf>,
+    /// Fail the N-th expert read (fault injection for tests).
+    pub fault_read: Option<u64>,
+}
+
+/// The help section printed after upstream's `--help`.
+pub const HELP: &str = "\
+----- sdq (routed experts paged from the model file) -----
+
+--ram-budget SIZE        RAM budget for the whole process: routed-expert weights stay in the
+                         file and are paged into an arena of (budget - resident - reserve).
+                         SIZE is bytes or a number with K/M/G/T (binary units): 8G, 8GiB, 6144M
+                         (env: SDQ_RAM_BUDGET; no budget = stock llama.cpp)
+--ram-budget-mb N        the same in MiB
+--sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
+                         (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
+--sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
+";
+
+fn size_of(flag: &str, value: &str) -> Result<u64> {
+    parse_size(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
+}
+
+fn mib_of(flag: &str, value: &str) -> Result<u64> {
+    match value.trim().parse::<u64>() {
+        Ok(n) if n > 0 && n < (1 << 43) => Ok(n * MIB),
+        _ => Err(Error::invalid(format!("{flag}: '{value}' is not a positive number of MiB"))),
+    }
+}
+
+impl Options {
+    /// Reads the environment, then removes sdq's flags from `args` (argv
+    /// without the program name is `args[1..]`) and applies them.
+    pub fn from_args_and_env(args: &mut Vec<OsString>, env: impl Fn(&str) -> Option<String>) -> Result<Options> {
+        let mut o = Options::default();
+        if let Some(v) = env("SDQ_RAM_BUDGET").filter(|v| !v.is_empty()) {
+            o.budget = Some(size_of("SDQ_RAM_BUDGET", &v)?);
+        }
+        if let Some(v) = env("SDQ_RESERVE_MB").filter(|v| !v.is_empty()) {
+            o.reserve = Some(mib_of("SDQ_RESERVE_MB", &v)?);
+        }
+        if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
+            o.stats_file = Some(PathBuf::from(v));
+        }
+        if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
+            o.fault_read = Some(v.parse().map_err(|_| Error::invalid(format!("SDQ_FAULT_READ: '{v}' is not a read count")))?);
+        }
+
+        let mut kept = Vec::with_capacity(args.len());
+        let mut it = std::mem::take(args).into_iter();
+        if let Some(program) = it.next() {
+            kept.push(program);
+        }
+        while let Some(arg) = it.next() {
+            let Some(s) = arg.to_str() else {
+                kept.push(arg);
+                continue;
+            };
+            let (flag, inline) = match s.split_once('=') {
+                Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+                _ => (s.to_string(), None),
+            };
+            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats") {
+                kept.push(arg);
+                continue;
+            }
+            let value = match inline {
+                Some(v) => v,
+                None => it
+                    .next()
+                    .and_then(|v| v.into_string().ok())
+                    .ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
+            };
+            match flag.as_str() {
+                "--ram-budget" => o.budget = Some(size_of(&flag, &value)?),
+                "--ram-budget-mb" => o.budget = Some(mib_of(&flag, &value)?),
+                "--sdq-reserve" => o.reserve = Some(size_of(&flag, &value)?),
+                _ => o.stats_file = Some(PathBuf::from(value)),
+            }
+        }
+        *args = kept;
+        Ok(o)
+    }
+
+    /// Environment that passes these options to child processes (llama-server's
+    /// router re-executes itself without sdq's flags).
+    pub fn to_env(&self) -> Vec<(&'static str, String)> {
+        let mut env = Vec::new();
+        if let Some(b) = self.budget {
+            env.push(("SDQ_RAM_BUDGET", b.to_string()));
+        }
+        if let Some(r) = self.reserve {
+            env.push(("SDQ_RESERVE_MB", r.div_ceil(MIB).to_string()));
+        }
+        if let Some(f) = &self.stats_file {
+            env.push(("SDQ_STATS_FILE", f.to_string_lossy().into_owned()));
+        }
+        env
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::budget::GIB;
+
+    fn parse(args: &[&str], env: &[(&str, &str)]) -> (Result<Options>, Vec<String>) {
+        let mut a: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let o = Options::from_args_and_env(&mut a, |k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()));
+        (o, a.into_iter().map(|s| s.into_string().unwrap()).collect())
+    }
+
+    #[test]
+    fn flags_are_taken_out_of_argv() {
+        let (o, rest) = parse(&["llama-cli", "-m", "x.gguf", "--ram-budget", "8G", "--sdq-stats=s.json", "-n", "4"], &[]);
+        let o = o.unwrap();
+        assert_eq!(o.budget, Some(8 * GIB));
+        assert_eq!(o.stats_file, Some(PathBuf::from("s.json")));
+        assert_eq!(rest, ["llama-cli", "-m", "x.gguf", "-n", "4"]);
+    }
+
+    #[test]
+    fn flags_win_over_environment() {
+        let (o, _) = parse(&["t", "--ram-budget-mb", "6144"], &[("SDQ_RAM_BUDGET", "2G"), ("SDQ_RESERVE_MB", "256")]);
+        let o = o.unwrap();
+        assert_eq!((o.budget, o.reserve), (Some(6 * GIB), Some(256 * MIB)));
+        let (o, _) = parse(&["t"], &[("SDQ_RAM_BUDGET", "2G")]);
+        assert_eq!(o.unwrap().budget, Some(2 * GIB));
+    }
+
+    #[test]
+    fn bad_values_name_the_flag_and_value() {
+        for (args, env, needle) in [
+            (&["t", "--ram-budget", "8X"][..], &[][..], "--ram-budget: '8X'"),
+            (&["t", "--ram-budget", "0"][..], &[][..], "'0' is zero"),
+            (&["t", "--ram-budget", "-1"][..], &[][..], "'-1'"),
+            (&["t", "--ram-budget"][..], &[][..], "--ram-budget needs a value"),
+            (&["t", "--ram-budget-mb", "1.5"][..], &[][..], "'1.5' is not a positive number of MiB"),
+            (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
+        ] {
+            let e = parse(args, env).0.unwrap_err().to_string();
+            assert!(e.contains(needle), "{args:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn environment_round_trips() {
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), fault_read: None };
+        let env = o.to_env();
+        let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
+        assert_eq!(back.unwrap(), o);
+    }
+}

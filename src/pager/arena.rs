@@ -1,0 +1,168 @@
+//! The arena: one anonymous mapping carved into slot classes, each class a run
+//! of equal slots sized for one expert (gate + up + down) of some layers. All
+//! raw-pointer access to slot bytes lives here.
+
+use std::io;
+use std::ptr::NonNull;
+
+/// Slots start on page boundaries (room for O_DIRECT reads later, and an
+/// expert never shares a page with another).
+pub const SLOT_ALIGN: usize = 4096;
+
+/// A slot's index in the arena (slots of all classes are numbered together).
+pub type SlotId = usize;
+
+/// A run of equal slots.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SlotClass {
+    /// Bytes of one expert of this class (gate + up + down).
+    pub expert_bytes: usize,
+    /// Bytes a slot occupies (expert_bytes rounded up to SLOT_ALIGN).
+    pub slot_bytes: usize,
+    /// Slot ids first..first+count belong to this class.
+    pub first: SlotId,
+    pub count: usize,
+    /// Byte offset of the class's first slot in the mapping.
+    offset: usize,
+}
+
+impl SlotClass {
+    pub fn slots(&self) -> std::ops::Range<SlotId> {
+        self.first..self.first + self.count
+    }
+}
+
+/// The mapping. Invariants: `base..base+len` is a live private anonymous
+/// mapping owned by this value; classes tile it without overlap.
+pub struct Arena {
+    base: NonNull<u8>,
+    len: usize,
+    classes: Vec<SlotClass>,
+}
+
+// SAFETY: the arena hands out slot memory only through `slot`/`slot_mut`,
+// whose callers (the pager) guarantee exclusive access to a slot while it is
+// written and no writer while it is read; the mapping itself is plain memory.
+unsafe impl Send for Arena {}
+// SAFETY: as above; &Arena methods never touch slot memory without that guarantee.
+unsafe impl Sync for Arena {}
+
+impl Arena {
+    /// Maps an arena holding `counts[i]` slots of `expert_bytes[i]` bytes.
+    /// Pages are only committed as slots are filled.
+    pub fn new(classes: &[(usize, usize)]) -> io::Result<Arena> {
+        let mut out = Vec::with_capacity(classes.len());
+        let (mut offset, mut first) = (0usize, 0usize);
+        for &(expert_bytes, count) in classes {
+            let slot_bytes = expert_bytes.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+            out.push(SlotClass { expert_bytes, slot_bytes, first, count, offset });
+            offset = slot_bytes
+                .checked_mul(count)
+                .and_then(|b| b.checked_add(offset))
+                .ok_or_else(|| io::Error::other("arena size overflows"))?;
+            first += count;
+        }
+        let len = offset.max(SLOT_ALIGN);
+        // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        Ok(Arena { base, len, classes: out })
+    }
+
+    pub fn classes(&self) -> &[SlotClass] {
+        &self.classes
+    }
+
+    /// Total bytes mapped.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.classes.iter().all(|c| c.count == 0)
+    }
+
+    pub fn n_slots(&self) -> usize {
+        self.classes.iter().map(|c| c.count).sum()
+    }
+
+    /// The class slot `id` belongs to.
+    pub fn class_of(&self, id: SlotId) -> usize {
+        self.classes.iter().position(|c| c.slots().contains(&id)).expect("slot id in range")
+    }
+
+    fn span(&self, id: SlotId) -> (usize, usize) {
+        let c = &self.classes[self.class_of(id)];
+        (c.offset + (id - c.first) * c.slot_bytes, c.expert_bytes)
+    }
+
+    /// The bytes of slot `id`, for reading.
+    ///
+    /// # Safety
+    /// No one may write slot `id` while the returned slice lives (the pager
+    /// guarantees this by pinning a published slot).
+    pub unsafe fn slot(&self, id: SlotId) -> &[u8] {
+        let (off, len) = self.span(id);
+        // SAFETY: off+len lies inside the live mapping (class layout); the
+        // caller guarantees there is no concurrent writer.
+        unsafe { std::slice::from_raw_parts(self.base.as_ptr().add(off), len) }
+    }
+
+    /// The bytes of slot `id`, for filling.
+    ///
+    /// # Safety
+    /// The caller must have exclusive access to slot `id` while the returned
+    /// slice lives (the pager guarantees this for a slot it is loading:
+    /// pinned, unpublished, and taken out of every eviction choice).
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot_mut(&self, id: SlotId) -> &mut [u8] {
+        let (off, len) = self.span(id);
+        // SAFETY: off+len lies inside the live mapping; exclusivity is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off), len) }
+    }
+}
+
+impl Drop for Arena {
+    fn drop(&mut self) {
+        // SAFETY: base/len describe the mapping created in new(), unmapped once here.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn classes_tile_the_mapping() {
+        let a = Arena::new(&[(5000, 3), (100, 2)]).unwrap();
+        assert_eq!(a.n_slots(), 5);
+        assert_eq!(a.classes()[0].slot_bytes, 8192);
+        assert_eq!(a.classes()[1].slots(), 3..5);
+        assert_eq!(a.len(), 3 * 8192 + 2 * 4096);
+        // SAFETY: single-threaded test; each slot is written then read with no overlap.
+        unsafe {
+            for id in 0..5 {
+                a.slot_mut(id).fill(id as u8 + 1);
+            }
+            for id in 0..5 {
+                assert!(a.slot(id).iter().all(|&b| b == id as u8 + 1), "slot {id} overwritten");
+            }
+            assert_eq!(a.slot(4).len(), 100);
+        }
+    }
+}

@@ -1,0 +1,289 @@
+//! sdq's process-wide state while a budget is set: the options, the paged
+//! tensors the loader reported, the pager (created at the first expert matmul,
+//! once the model and its context are loaded, so the arena is sized from the
+//! anonymous memory they really hold), and the figures for the stats file.
+
+use crate::budget::{self, human, ProcMemory};
+use crate::error::Error;
+use crate::ggml::{DotKernels, GgmlType};
+use crate::options::Options;
+use crate::pager::io::ExpertReader;
+use crate::pager::layout::{Layout, Part, PagedTensor};
+use crate::pager::Pager;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// How the pager was sized.
+#[derive(Clone, Debug)]
+pub struct ArenaPlan {
+    pub reserve: u64,
+    pub rss_anon_at_start: u64,
+    pub arena_bytes: u64,
+    /// (expert bytes, slots) per class.
+    pub slots: Vec<(usize, usize)>,
+    pub top_k: usize,
+    pub load_seconds: f64,
+}
+
+#[derive(Default)]
+struct Registry {
+    files: BTreeMap<u32, PathBuf>,
+    tensors: BTreeMap<String, PagedTensor>,
+}
+
+pub struct Runtime {
+    pub options: Options,
+    budget: u64,
+    started: Instant,
+    registry: Mutex<Registry>,
+    pager: OnceLock<(Pager, ArenaPlan)>,
+    tokens_prompt: AtomicU64,
+    tokens_generated: AtomicU64,
+    peak_rss_anon: AtomicU64,
+    max_swap: AtomicU64,
+    finished: AtomicBool,
+}
+
+static RUNTIME: OnceLock<Runtime> = OnceLock::new();
+
+/// Installs the runtime for `options` (which must carry a budget) and starts
+/// sampling this process's memory. Returns the installed runtime.
+pub fn install(options: Options) -> &'static Runtime {
+    let budget = options.budget.expect("install() needs a budget");
+    let rt = RUNTIME.get_or_init(|| Runtime {
+        options,
+        budget,
+        started: Instant::now(),
+        registry: Mutex::new(Registry::default()),
+        pager: OnceLock::new(),
+        tokens_prompt: AtomicU64::new(0),
+        tokens_generated: AtomicU64::new(0),
+        peak_rss_anon: AtomicU64::new(0),
+        max_swap: AtomicU64::new(0),
+        finished: AtomicBool::new(false),
+    });
+    std::thread::Builder::new()
+        .name("sdq-memory".into())
+        .spawn(|| loop {
+            if let Some(rt) = RUNTIME.get() {
+                rt.sample_memory();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        })
+        .expect("spawn memory sampler");
+    rt
+}
+
+/// The runtime, if a budget is set.
+pub fn get() -> Option<&'static Runtime> {
+    RUNTIME.get()
+}
+
+/// Ends the process at once with `msg` on stderr (and the stats file, if
+/// asked for). For errors inside ggml's callbacks, where nothing can be
+/// returned: no token is produced after this.
+pub fn fatal(msg: &str) -> ! {
+    eprintln!("sdq: error: {msg}");
+    if let Some(rt) = get() {
+        rt.finish(false);
+    }
+    // SAFETY: _exit ends the process without running atexit handlers or
+    // destructors, which other threads (ggml's workers) may still be using.
+    unsafe { libc::_exit(1) }
+}
+
+impl Runtime {
+    fn lock_registry(&self) -> std::sync::MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn on_loader_file(&self, idx: u32, path: PathBuf) {
+        self.lock_registry().files.insert(idx, path);
+    }
+
+    /// True if the weight `name` of type `ty` is a routed expert to page. A
+    /// routed expert of a type ggml's CPU backend cannot multiply is an error.
+    pub fn is_paged(&self, name: &str, ty: GgmlType) -> Result<bool, Error> {
+        if Part::from_tensor_name(name).is_none() {
+            return Ok(false);
+        }
+        if DotKernels::for_type(ty).is_none() {
+            return Err(Error::invalid(format!(
+                "tensor {name} has type {}, which ggml's CPU backend cannot multiply; sdq cannot page it",
+                ty.name()
+            )));
+        }
+        Ok(true)
+    }
+
+    pub fn on_paged_weight(&self, t: PagedTensor) {
+        self.lock_registry().tensors.insert(t.name.clone(), t);
+    }
+
+    /// The lowest layer with paged experts (the registry is complete once
+    /// graphs are being built).
+    pub fn first_paged_layer(&self) -> u32 {
+        self.lock_registry().tensors.values().map(|t| t.layer).min().unwrap_or(0)
+    }
+
+    /// The pager, created on first use from what the loader reported.
+    pub fn pager(&self, top_k: usize) -> &Pager {
+        &self.pager.get_or_init(|| self.create_pager(top_k).unwrap_or_else(|e| fatal(&e.to_string()))).0
+    }
+
+    fn create_pager(&self, top_k: usize) -> Result<(Pager, ArenaPlan), Error> {
+        let (tensors, files) = {
+            let r = self.lock_registry();
+            (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone())
+        };
+        let layout = Layout::build(&tensors, &files)?;
+        let rss = ProcMemory::read().rss_anon;
+        let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
+        let min_arena = layout.min_arena_bytes(top_k);
+        let too_small = || {
+            Error::invalid(format!(
+                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
+                human(self.budget),
+                human(rss),
+                human(reserve),
+                human(min_arena),
+                human(rss + reserve + min_arena)
+            ))
+        };
+        let arena_bytes = budget::arena_bytes(self.budget, reserve, rss, budget::rlimit_data()).map_err(|_| too_small())?;
+        let slots = layout.plan_slots(arena_bytes, top_k).map_err(|_| too_small())?;
+        let counts: Vec<usize> = slots.iter().map(|s| s.1).collect();
+        let plan = ArenaPlan {
+            reserve,
+            rss_anon_at_start: rss,
+            arena_bytes,
+            slots: slots.clone(),
+            top_k,
+            load_seconds: self.started.elapsed().as_secs_f64(),
+        };
+        log::info!(
+            "arena {} for {} of routed experts: {}",
+            human(arena_bytes),
+            human(layout.total_expert_bytes()),
+            slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
+        );
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.fault_read))?;
+        Ok((pager, plan))
+    }
+
+    /// Counts the tokens of one batch (called once per batch).
+    pub fn count_tokens(&self, n: u64) {
+        let counter = if n > 1 { &self.tokens_prompt } else { &self.tokens_generated };
+        counter.fetch_add(n, Ordering::Relaxed);
+    }
+
+    fn sample_memory(&self) {
+        let m = ProcMemory::read();
+        self.peak_rss_anon.fetch_max(m.rss_anon, Ordering::Relaxed);
+        self.max_swap.fetch_max(m.vm_swap, Ordering::Relaxed);
+    }
+
+    /// Writes the stats file (if asked for) and, with `summary`, the summary
+    /// line on stderr; once.
+    pub fn finish(&self, summary: bool) {
+        if self.finished.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        self.sample_memory();
+        let stats = self.stats_json();
+        if let Some(path) = &self.options.stats_file {
+            let text = serde_json::to_string_pretty(&stats).expect("stats serialize") + "\n";
+            if let Err(e) = std::fs::write(path, text) {
+                eprintln!("sdq: warning: cannot write stats to {}: {e}", path.display());
+            }
+        }
+        if summary {
+            eprintln!("{}", self.summary_line());
+        }
+    }
+
+    fn summary_line(&self) -> String {
+        let peak = self.peak_rss_anon.load(Ordering::Relaxed);
+        let swap = self.max_swap.load(Ordering::Relaxed);
+        match self.pager.get() {
+            None => format!(
+                "sdq: no routed experts were paged (the model has none, or none were used); peak anonymous RSS {} of {} budget, swap {}",
+                human(peak),
+                human(self.budget),
+                human(swap)
+            ),
+            Some((pager, _)) => {
+                let c = pager.counts();
+                let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));
+                let tokens = self.tokens_prompt.load(Ordering::Relaxed) + self.tokens_generated.load(Ordering::Relaxed);
+                format!(
+                    "sdq: hit {:.1} % | {:.2} MiB read/token | peak anonymous RSS {} of {} budget | swap {}",
+                    100.0 * hits as f64 / (hits + misses).max(1) as f64,
+                    c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64,
+                    human(peak),
+                    human(self.budget),
+                    human(swap)
+                )
+            }
+        }
+    }
+
+    fn stats_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let files = self.lock_registry().files.clone();
+        let tokens_prompt = self.tokens_prompt.load(Ordering::Relaxed);
+        let tokens_generated = self.tokens_generated.load(Ordering::Relaxed);
+        let tokens = tokens_prompt + tokens_generated;
+        let mem = ProcMemory::read();
+        let mut v = json!({
+            "model": files.get(&0).map(|p| p.display().to_string()),
+            "budget_bytes": self.budget,
+            "tokens": { "prompt": tokens_prompt, "generated": tokens_generated },
+            "peak_rss_anon_bytes": self.peak_rss_anon.load(Ordering::Relaxed),
+            "vm_swap_bytes": self.max_swap.load(Ordering::Relaxed).max(mem.vm_swap),
+            "vm_hwm_bytes": mem.vm_hwm,
+            "paged": self.pager.get().is_some(),
+        });
+        if let Some((pager, plan)) = self.pager.get() {
+            let c = pager.counts();
+            let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));
+            let layers_per_class = pager.layout().layers_per_class();
+            let o = v.as_object_mut().expect("object");
+            o.insert("reserve_bytes".into(), json!(plan.reserve));
+            o.insert("rss_anon_after_load_bytes".into(), json!(plan.rss_anon_at_start));
+            o.insert("arena_bytes".into(), json!(plan.arena_bytes));
+            o.insert("load_seconds".into(), json!(plan.load_seconds));
+            o.insert("top_k".into(), json!(plan.top_k));
+            o.insert(
+                "slot_classes".into(),
+                json!(plan
+                    .slots
+                    .iter()
+                    .zip(&layers_per_class)
+                    .map(|(&(bytes, slots), &layers)| json!({ "expert_bytes": bytes, "slots": slots, "layers": layers }))
+                    .collect::<Vec<_>>()),
+            );
+            o.insert(
+                "layers".into(),
+                json!(c
+                    .per_layer
+                    .iter()
+                    .map(|(l, n)| json!({ "layer": l, "hits": n.hits, "misses": n.misses, "rereads": n.rereads }))
+                    .collect::<Vec<_>>()),
+            );
+            o.insert("hits".into(), json!(hits));
+            o.insert("misses".into(), json!(misses));
+            o.insert("rereads".into(), json!(c.per_layer.iter().map(|(_, l)| l.rereads).sum::<u64>()));
+            o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
+            o.insert("bytes_read".into(), json!(c.bytes_read));
+            o.insert("reads".into(), json!(c.reads));
+            o.insert("read_seconds".into(), json!(c.read_seconds));
+            o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
+            o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));
+        }
+        v
+    }
+}
