@@ -3,6 +3,8 @@
 
 #include <atomic>
 
+#include <fcntl.h>
+
 static std::atomic<const sdq_hooks *> g_hooks{nullptr};
 
 void sdq_set_hooks(const sdq_hooks * hooks) {
@@ -11,6 +13,14 @@ void sdq_set_hooks(const sdq_hooks * hooks) {
 
 const sdq_hooks * sdq_get_hooks(void) {
     return g_hooks.load(std::memory_order_acquire);
+}
+
+void sdq_drop_cached(int fd, uint64_t offset, uint64_t length) {
+#ifdef POSIX_FADV_DONTNEED
+    posix_fadvise(fd, (off_t) offset, (off_t) length, POSIX_FADV_DONTNEED);
+#else
+    (void) fd; (void) offset; (void) length;
+#endif
 }
 
 bool sdq_is_paged_tensor(const ggml_tensor * t) {

@@ -58,6 +58,10 @@ const struct sdq_hooks * sdq_get_hooks(void);
 /* True if `t` lives in the installed table's paged buffer type. */
 bool sdq_is_paged_tensor(const struct ggml_tensor * t);
 
+/* Drops [offset, offset+length) of file `fd` from the page cache (where the
+ * platform allows). */
+void sdq_drop_cached(int fd, uint64_t offset, uint64_t length);
+
 #ifdef __cplusplus
 }
 #endif

@@ -10,7 +10,9 @@
 
 pub mod backend;
 pub mod budget;
+pub mod demo;
 pub mod error;
+pub mod eval;
 pub mod genmodel;
 pub mod ggml;
 pub mod gguf;

@@ -140,6 +140,7 @@ impl Runtime {
             (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone())
         };
         let layout = Layout::build(&tensors, &files)?;
+        layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
@@ -271,7 +272,10 @@ impl Runtime {
                 json!(c
                     .per_layer
                     .iter()
-                    .map(|(l, n)| json!({ "layer": l, "hits": n.hits, "misses": n.misses, "rereads": n.rereads }))
+                    .map(|(l, n)| {
+                        let expert_bytes = pager.layout().layers[l].expert_bytes;
+                        json!({ "layer": l, "expert_bytes": expert_bytes, "hits": n.hits, "misses": n.misses, "rereads": n.rereads })
+                    })
                     .collect::<Vec<_>>()),
             );
             o.insert("hits".into(), json!(hits));

@@ -16,6 +16,93 @@ struct Cli {
 enum Command {
     /// Write a MoE GGUF model with real quantized tensors and random weights.
     GenModel(GenModelArgs),
+    /// The main job on a built-in default: a generated ~4.6 GB MoE model run
+    /// greedily in a 1.5 GiB RAM budget, checked against stock llama.cpp.
+    Demo(DemoArgs),
+    /// Greedy decoding through llama.h, printing tokens and text as JSON and
+    /// optionally the final logits (to compare a budgeted run with stock).
+    Eval(EvalArgs),
+}
+
+#[derive(clap::Args)]
+struct DemoArgs {
+    /// Model to run (default: generated once into models/).
+    #[arg(short, long)]
+    model: Option<PathBuf>,
+    /// RAM budget for the run (e.g. 1536M, 2G).
+    #[arg(long, default_value = "1536M")]
+    budget: String,
+    #[arg(short, long, default_value_t = 32)]
+    n_predict: u32,
+    #[arg(short, long)]
+    prompt: Option<String>,
+}
+
+fn demo(a: DemoArgs) -> sdq::Result<()> {
+    let root = std::env::current_dir().map_err(|e| sdq::Error::io("cannot read", std::path::Path::new("."), e))?;
+    let mut o = sdq::demo::DemoOptions::with_defaults(&root);
+    if let Some(m) = a.model {
+        o.model = m;
+    }
+    o.budget = sdq::budget::parse_size(&a.budget).map_err(|e| sdq::Error::invalid(format!("--budget: {e}")))?;
+    o.n_predict = a.n_predict;
+    if let Some(p) = a.prompt {
+        o.prompt = p;
+    }
+    sdq::demo::run(&o)
+}
+
+#[derive(clap::Args)]
+struct EvalArgs {
+    #[arg(short, long)]
+    model: PathBuf,
+    #[arg(short, long, default_value = "The quick brown fox")]
+    prompt: String,
+    /// Read the prompt from a file instead.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    #[arg(short, long, default_value_t = 64)]
+    n_predict: usize,
+    #[arg(short, long, default_value_t = 2)]
+    threads: i32,
+    #[arg(short = 'c', long, default_value_t = 1024)]
+    ctx_size: u32,
+    /// Prompt tokens per llama_decode call (physical batch).
+    #[arg(long, default_value_t = 512)]
+    ubatch: u32,
+    /// Disable llama.cpp's repacked weight layouts (as --no-repack).
+    #[arg(long)]
+    no_repack: bool,
+    /// Write the final logits here (raw little-endian f32).
+    #[arg(long)]
+    logits: Option<PathBuf>,
+    /// Only load the model and create the context, then exit.
+    #[arg(long)]
+    load_only: bool,
+}
+
+fn eval(a: EvalArgs) -> sdq::Result<()> {
+    let prompt = match &a.prompt_file {
+        Some(f) => std::fs::read_to_string(f).map_err(|e| sdq::Error::io("cannot read", f, e))?,
+        None => a.prompt.clone(),
+    };
+    let params = sdq::eval::EvalParams {
+        prompt,
+        n_predict: a.n_predict,
+        threads: a.threads,
+        n_ctx: a.ctx_size,
+        ubatch: a.ubatch,
+        repack: !a.no_repack,
+        load_only: a.load_only,
+    };
+    let r = sdq::eval::run(&a.model, &params)?;
+    if let Some(path) = &a.logits {
+        let bytes: Vec<u8> = r.logits.iter().flat_map(|x| x.to_le_bytes()).collect();
+        std::fs::write(path, bytes).map_err(|e| sdq::Error::io("cannot write", path, e))?;
+    }
+    let out = serde_json::json!({ "prompt_tokens": r.prompt_tokens.len(), "tokens": r.tokens, "text": r.text });
+    println!("{out}");
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -124,10 +211,28 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    let cli = Cli::parse();
+    // sdq's budget options work here as on every tool (for `sdq eval`).
+    let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let opts = match sdq::options::Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("sdq: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let cli = Cli::parse_from(args);
+    if opts.budget.is_some() {
+        sdq::runtime::install(opts);
+        sdq::hooks::install();
+    }
     let result = match cli.command {
         Command::GenModel(a) => gen_model(a),
+        Command::Eval(a) => eval(a),
+        Command::Demo(a) => demo(a),
     };
+    if let Some(rt) = sdq::runtime::get() {
+        rt.finish(true);
+    }
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

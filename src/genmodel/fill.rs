@@ -137,7 +137,7 @@ impl<'a> TensorWriter<'a> {
         let seed = tensor_seed(self.spec.seed, &t.name);
         let rows: i64 = t.ne[1..].iter().product();
         let row_independent = !matches!(t.fill, Fill::Router { .. });
-        if row_independent && rows > 4 * POOL_ROWS {
+        if row_independent && rows > 2 * POOL_ROWS {
             self.write_pooled(t, seed, sink)
         } else {
             write_direct(self.spec, t, seed, self.threads, sink)

@@ -50,6 +50,16 @@ impl ExpertReader {
     }
 }
 
+/// Drops `len` bytes of `file` at `offset` from the page cache (best effort):
+/// bytes kernel readahead brought in that the pager has no use for.
+pub fn drop_cached(file: &File, offset: u64, len: u64) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advice on a descriptor we hold open; it reads or writes no memory of ours.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), offset as libc::off_t, len as libc::off_t, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

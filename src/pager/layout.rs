@@ -198,6 +198,16 @@ impl Layout {
         self.class_bytes.iter().map(|&b| (top_k * slot(b)) as u64).sum()
     }
 
+    /// Drops every expert range from the page cache: what kernel readahead
+    /// around neighbouring weights brought in during load.
+    pub fn drop_cached(&self) {
+        for l in self.layers.values() {
+            for p in &l.parts {
+                super::io::drop_cached(&p.file, p.offset, p.bytes as u64 * l.n_expert as u64);
+            }
+        }
+    }
+
     /// Bytes of all routed experts.
     pub fn total_expert_bytes(&self) -> u64 {
         self.layers.values().map(|l| l.expert_bytes as u64 * l.n_expert as u64).sum()

@@ -114,10 +114,16 @@ pub fn http(port: u16, method: &str, path: &str, body: Option<&str>) -> std::io:
 
 /// Starts llama-server on a free loopback port with `args` and waits until /health is 200.
 pub fn start_server(args: &[&str]) -> (KillOnDrop, u16) {
+    start_server_env(args, &[])
+}
+
+/// As `start_server`, with extra environment variables.
+pub fn start_server_env(args: &[&str], env: &[(&str, &str)]) -> (KillOnDrop, u16) {
     let port = free_port();
     let child = Command::new(bin("llama-server"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
