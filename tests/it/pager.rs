@@ -5,14 +5,13 @@
 use crate::util::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 use std::sync::OnceLock;
 
 const MIB: u64 = 1 << 20;
 
 /// One `sdq eval` run: its JSON answer, final logits and stats.
 struct Eval {
-    out: Output,
     json: Value,
     logits: Vec<f32>,
     stats: Option<Value>,
@@ -43,7 +42,7 @@ fn eval_env(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> Eva
     let json = serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&out)));
     let logits = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
     let stats = std::fs::read_to_string(&stats).ok().map(|s| serde_json::from_str(&s).unwrap());
-    Eval { out, json, logits, stats }
+    Eval { json, logits, stats }
 }
 
 fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -206,10 +205,8 @@ fn resident_expert_pages(model: &Path) -> (usize, usize) {
     for t in g.tensors().iter().filter(|t| t.name.contains("_exps.")) {
         let first = (t.offset as usize).div_ceil(page);
         let end = (t.offset + t.size) as usize / page;
-        for p in first..end {
-            total += 1;
-            resident += (vec[p] & 1) as usize;
-        }
+        total += end.saturating_sub(first);
+        resident += vec[first..end.max(first)].iter().filter(|&&b| b & 1 == 1).count();
 
     }
     (resident, total)
