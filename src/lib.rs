@@ -17,6 +17,8 @@ pub mod genmodel;
 pub mod ggml;
 pub mod gguf;
 pub mod hooks;
+pub mod inspect;
+pub mod limit;
 pub mod moe;
 pub mod options;
 pub mod pager;

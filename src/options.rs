@@ -24,8 +24,9 @@ pub const HELP: &str = "\
 
 --ram-budget SIZE        RAM budget for the whole process: routed-expert weights stay in the
                          file and are paged into an arena of (budget - resident - reserve).
-                         SIZE is bytes or a number with K/M/G/T (binary units): 8G, 8GiB, 6144M
-                         (env: SDQ_RAM_BUDGET; no budget = stock llama.cpp)
+                         SIZE is bytes or a number with K/M/G/T (binary units): 8G, 8GiB, 6144M,
+                         or auto: the tightest of the memory cgroup's limit, MemAvailable and
+                         RLIMIT_AS (env: SDQ_RAM_BUDGET; no budget = stock llama.cpp)
 --ram-budget-mb N        the same in MiB
 --sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
@@ -34,6 +35,35 @@ pub const HELP: &str = "\
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
     parse_size(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
+}
+
+/// A budget value: a size, or `auto` (what this process may use, see `auto_budget`).
+fn budget_of(flag: &str, value: &str) -> Result<u64> {
+    if value.trim().eq_ignore_ascii_case("auto") {
+        let (bytes, source) = auto_budget().ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
+        eprintln!("sdq: {flag} auto = {} ({source})", crate::budget::human(bytes));
+        return Ok(bytes);
+    }
+    size_of(flag, value)
+}
+
+/// The tightest of: this process's memory cgroup limit, `MemAvailable`, and
+/// `RLIMIT_AS`; with where it came from.
+pub fn auto_budget() -> Option<(u64, &'static str)> {
+    let mem_available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
+        s.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * 1024)
+    });
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes one rlimit struct that we own.
+    let as_limit = (unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur);
+    [
+        (crate::limit::cgroup_limit(), "the memory cgroup's limit"),
+        (mem_available, "MemAvailable in /proc/meminfo"),
+        (as_limit, "RLIMIT_AS"),
+    ]
+    .into_iter()
+    .filter_map(|(v, s)| v.map(|v| (v, s)))
+    .min_by_key(|(v, _)| *v)
 }
 
 fn mib_of(flag: &str, value: &str) -> Result<u64> {
@@ -49,7 +79,7 @@ impl Options {
     pub fn from_args_and_env(args: &mut Vec<OsString>, env: impl Fn(&str) -> Option<String>) -> Result<Options> {
         let mut o = Options::default();
         if let Some(v) = env("SDQ_RAM_BUDGET").filter(|v| !v.is_empty()) {
-            o.budget = Some(size_of("SDQ_RAM_BUDGET", &v)?);
+            o.budget = Some(budget_of("SDQ_RAM_BUDGET", &v)?);
         }
         if let Some(v) = env("SDQ_RESERVE_MB").filter(|v| !v.is_empty()) {
             o.reserve = Some(mib_of("SDQ_RESERVE_MB", &v)?);
@@ -87,7 +117,7 @@ impl Options {
                     .ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
             };
             match flag.as_str() {
-                "--ram-budget" => o.budget = Some(size_of(&flag, &value)?),
+                "--ram-budget" => o.budget = Some(budget_of(&flag, &value)?),
                 "--ram-budget-mb" => o.budget = Some(mib_of(&flag, &value)?),
                 "--sdq-reserve" => o.reserve = Some(size_of(&flag, &value)?),
                 _ => o.stats_file = Some(PathBuf::from(value)),

@@ -19,9 +19,59 @@ enum Command {
     /// The main job on a built-in default: a generated ~4.6 GB MoE model run
     /// greedily in a 1.5 GiB RAM budget, checked against stock llama.cpp.
     Demo(DemoArgs),
+    /// A model's memory accounting from its metadata (and, with --ram-budget,
+    /// how that budget would be split).
+    Inspect(InspectArgs),
+    /// Run a command inside an enforced memory limit (a memory cgroup with no
+    /// swap, page cache counted) and report peak usage, OOM kills, major
+    /// faults and swap.
+    Limit(LimitArgs),
     /// Greedy decoding through llama.h, printing tokens and text as JSON and
     /// optionally the final logits (to compare a budgeted run with stock).
     Eval(EvalArgs),
+}
+
+#[derive(clap::Args)]
+struct LimitArgs {
+    /// The limit: 8G, 6144M, bytes.
+    #[arg(long)]
+    memory: String,
+    /// Write the report as JSON here (default: stderr).
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// The command and its arguments.
+    #[arg(trailing_var_arg = true, required = true)]
+    command: Vec<String>,
+}
+
+fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
+    let bytes = sdq::budget::parse_size(&a.memory).map_err(|e| sdq::Error::invalid(format!("--memory: {e}")))?;
+    let r = sdq::limit::run_limited(bytes, &a.command)?;
+    let text = serde_json::to_string_pretty(&r).expect("serialize");
+    match &a.report {
+        Some(p) => std::fs::write(p, text + "\n").map_err(|e| sdq::Error::io("cannot write", p, e))?,
+        None => eprintln!("{text}"),
+    }
+    let code = r["exit_code"].as_i64().unwrap_or_else(|| 128 + r["signal"].as_i64().unwrap_or(0));
+    Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
+#[derive(clap::Args)]
+struct InspectArgs {
+    model: PathBuf,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
+    let r = sdq::inspect::inspect(&a.model, opts.budget, opts.reserve)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r).expect("serialize"));
+    } else {
+        print!("{}", sdq::inspect::render(&r));
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -211,24 +261,37 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
-    // sdq's budget options work here as on every tool (for `sdq eval`).
+    // sdq's budget options work for `sdq eval` as on every tool, and tell
+    // `sdq inspect` what to assume; other commands leave them to the
+    // commands they run (`sdq limit -- llama-cli --ram-budget auto`).
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
-    let opts = match sdq::options::Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("sdq: error: {e}");
-            return ExitCode::FAILURE;
+    let takes_options = matches!(args.get(1).and_then(|a| a.to_str()), Some("eval" | "inspect"));
+    let opts = if takes_options {
+        match sdq::options::Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+            Ok(o) => o,
+            Err(e) => {
+                eprintln!("sdq: error: {e}");
+                return ExitCode::FAILURE;
+            }
         }
+    } else {
+        sdq::options::Options::default()
     };
     let cli = Cli::parse_from(args);
-    if opts.budget.is_some() {
-        sdq::runtime::install(opts);
+    // Only `sdq eval` runs a model in this process; `inspect` just reads the budget.
+    if opts.budget.is_some() && matches!(cli.command, Command::Eval(_)) {
+        sdq::runtime::install(opts.clone());
         sdq::hooks::install();
     }
     let result = match cli.command {
         Command::GenModel(a) => gen_model(a),
         Command::Eval(a) => eval(a),
         Command::Demo(a) => demo(a),
+        Command::Inspect(a) => inspect(a, &opts),
+        Command::Limit(a) => match limit(a) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
     };
     if let Some(rt) = sdq::runtime::get() {
         rt.finish(true);

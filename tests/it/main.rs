@@ -1,6 +1,8 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
 mod genmodel;
+mod inspect;
+mod limit;
 mod pager;
 mod tools;
 mod util;

@@ -1,0 +1,221 @@
+//! `sdq inspect`: a model's memory accounting from its own metadata: routed
+//! experts against what stays resident, per-layer expert types and sizes, the
+//! slot classes, one token's working set, and how a RAM budget would be split.
+
+use crate::budget::{self, human, MIB};
+use crate::error::{Error, Result};
+use crate::ggml::GgmlType;
+use crate::gguf::{Gguf, TensorInfo};
+use crate::pager::arena::SLOT_ALIGN;
+use crate::pager::layout::{Layout, PagedTensor, Part};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// The resident (non-expert) categories, in report order.
+const CATEGORIES: &[&str] = &["token_embd", "output", "attention", "linear_attention", "shared_expert", "router", "norms", "other"];
+
+fn category(name: &str) -> &'static str {
+    // blk.N.<leaf> for layer tensors, the whole name otherwise
+    let leaf = name.strip_prefix("blk.").and_then(|r| r.split_once('.')).map_or(name, |(_, rest)| rest);
+    match () {
+        _ if name.starts_with("token_embd") => "token_embd",
+        _ if name.starts_with("output.") => "output",
+        _ if leaf.contains("norm") => "norms",
+        _ if leaf.contains("shexp") => "shared_expert",
+        _ if leaf.starts_with("ffn_gate_inp") => "router",
+        _ if leaf.starts_with("ssm_") || leaf.starts_with("attn_qkv") || leaf.starts_with("attn_gate") => "linear_attention",
+        _ if leaf.starts_with("attn_") => "attention",
+        _ => "other",
+    }
+}
+
+/// Split GGUFs: the paths of every part, from `split.count` and the naming scheme.
+fn model_files(path: &Path, first: &Gguf) -> Result<Vec<PathBuf>> {
+    let n = first.get("split.count").and_then(|v| v.as_u64()).unwrap_or(1);
+    if n <= 1 {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let s = path.to_string_lossy();
+    let prefix = s
+        .strip_suffix(&format!("-00001-of-{n:05}.gguf"))
+        .ok_or_else(|| Error::gguf(path, format!("split.count is {n}, but the name does not end in -00001-of-{n:05}.gguf")))?;
+    Ok((1..=n).map(|i| PathBuf::from(format!("{prefix}-{i:05}-of-{n:05}.gguf"))).collect())
+}
+
+/// The accounting of `model`, as JSON (the text report is rendered from it).
+pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Result<Value> {
+    let first = Gguf::open(model)?;
+    let files = model_files(model, &first)?;
+    let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let top_k = first.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+
+    let mut file_bytes = 0;
+    let mut tensors: Vec<(u32, TensorInfo)> = Vec::new();
+    let mut paths = BTreeMap::new();
+    for (idx, f) in files.iter().enumerate() {
+        let g = if idx == 0 { None } else { Some(Gguf::open(f)?) };
+        let g = g.as_ref().unwrap_or(&first);
+        file_bytes += std::fs::metadata(f).map_err(|e| Error::io("cannot stat", f, e))?.len();
+        paths.insert(idx as u32, f.clone());
+        tensors.extend(g.tensors().into_iter().map(|t| (idx as u32, t)));
+    }
+
+    let mut resident: BTreeMap<&str, u64> = CATEGORIES.iter().map(|c| (*c, 0)).collect();
+    let mut paged = Vec::new();
+    for (file, t) in &tensors {
+        match Part::from_tensor_name(&t.name) {
+            Some((layer, part)) => {
+                let row = t.ty.row_size(t.ne[0]);
+                let nb = [t.ty.row_size(t.ty.block_size()), row, row * t.ne[1] as usize, row * (t.ne[1] * t.ne[2]) as usize];
+                paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset });
+            }
+            None => *resident.get_mut(category(&t.name)).expect("category listed") += t.size,
+        }
+    }
+    let routed: u64 = paged.iter().map(|t| t.nb[3] as u64).sum();
+    let resident_total: u64 = resident.values().sum();
+    let mut report = json!({
+        "model": model.display().to_string(),
+        "architecture": arch,
+        "file_bytes": file_bytes,
+        "routed_expert_bytes": routed,
+        "resident_bytes": resident_total,
+        "resident": resident,
+        "top_k": top_k,
+    });
+    if paged.is_empty() {
+        return Ok(report);
+    }
+
+    let layout = Layout::build(&paged, &paths)?;
+    let types = |l: u32, p: Part| paged.iter().find(|t| t.layer == l && t.part == p).map(|t| t.ty.name());
+    let layers: Vec<Value> = layout
+        .layers
+        .values()
+        .map(|l| {
+            json!({
+                "layer": l.layer,
+                "experts": l.n_expert,
+                "gate_up": types(l.layer, Part::GateUp).or(types(l.layer, Part::Gate)),
+                "down": types(l.layer, Part::Down),
+                "bytes_per_expert": l.expert_bytes,
+                "class": l.class,
+            })
+        })
+        .collect();
+    let per_layer_set: Vec<u64> = layout.layers.values().map(|l| (l.expert_bytes * top_k) as u64).collect();
+    let token_cycle: u64 = per_layer_set.iter().sum();
+    let o = report.as_object_mut().expect("object");
+    o.insert("layers".into(), json!(layers));
+    o.insert(
+        "slot_classes".into(),
+        json!(layout
+            .class_bytes
+            .iter()
+            .zip(layout.layers_per_class())
+            .map(|(&b, n)| json!({ "expert_bytes": b, "slot_bytes": b.div_ceil(SLOT_ALIGN) * SLOT_ALIGN, "layers": n }))
+            .collect::<Vec<_>>()),
+    );
+    o.insert(
+        "token_working_set".into(),
+        json!({
+            "per_layer_mean_bytes": token_cycle / per_layer_set.len() as u64,
+            "per_layer_max_bytes": per_layer_set.iter().max(),
+            "token_cycle_bytes": token_cycle,
+        }),
+    );
+
+    if let Some(budget) = budget {
+        let reserve = reserve.unwrap_or_else(|| budget::default_reserve(budget));
+        // Anonymous memory after load is only known at run time; estimate it by
+        // the resident weights llama.cpp copies out of the mapping (repacked
+        // Q4_K matrices other than the embedding) plus 64 MiB of context.
+        let copied: u64 = tensors
+            .iter()
+            .filter(|(_, t)| Part::from_tensor_name(&t.name).is_none() && t.ty == GgmlType::Q4_K && t.ne[1] > 1 && !t.name.starts_with("token_embd"))
+            .map(|(_, t)| t.size)
+            .sum();
+        let anon_estimate = copied + 64 * MIB;
+        let budget_json = match budget::arena_bytes(budget, reserve, anon_estimate, None) {
+            Ok(arena) => {
+                let slots = layout.plan_slots(arena, top_k).ok();
+                json!({
+                    "budget_bytes": budget,
+                    "reserve_bytes": reserve,
+                    "anonymous_after_load_estimate_bytes": anon_estimate,
+                    "arena_bytes": arena,
+                    "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
+                    "token_cycles_held": arena as f64 / token_cycle as f64,
+                    "min_budget_bytes": anon_estimate + reserve + layout.min_arena_bytes(top_k),
+                })
+            }
+            Err(e) => json!({ "budget_bytes": budget, "reserve_bytes": reserve, "error": e.to_string() }),
+        };
+        report.as_object_mut().expect("object").insert("budget".into(), budget_json);
+    }
+    Ok(report)
+}
+
+/// The report as text.
+pub fn render(r: &Value) -> String {
+    let u = |v: &Value| v.as_u64().unwrap_or(0);
+    let mut s = String::new();
+    let mut line = |t: String| {
+        s.push_str(&t);
+        s.push('\n');
+    };
+    line(format!("model          {} ({})", r["model"].as_str().unwrap_or(""), r["architecture"].as_str().unwrap_or("")));
+    line(format!("file           {:>14} B  {}", u(&r["file_bytes"]), human(u(&r["file_bytes"]))));
+    line(format!("routed experts {:>14} B  {}", u(&r["routed_expert_bytes"]), human(u(&r["routed_expert_bytes"]))));
+    line(format!("resident       {:>14} B  {}", u(&r["resident_bytes"]), human(u(&r["resident_bytes"]))));
+    for c in CATEGORIES {
+        let b = u(&r["resident"][c]);
+        if b > 0 {
+            line(format!("  {c:<17}{b:>12} B  {}", human(b)));
+        }
+    }
+    if let Some(layers) = r["layers"].as_array() {
+        line(format!("\nlayer  experts  gate/up  down   bytes/expert  class   (top-{})", u(&r["top_k"])));
+        for l in layers {
+            line(format!(
+                "{:>5}  {:>7}  {:<7}  {:<5}  {:>12}  {:>5}",
+                u(&l["layer"]),
+                u(&l["experts"]),
+                l["gate_up"].as_str().unwrap_or("?"),
+                l["down"].as_str().unwrap_or("?"),
+                u(&l["bytes_per_expert"]),
+                u(&l["class"])
+            ));
+        }
+        line("\nslot classes".into());
+        for (i, c) in r["slot_classes"].as_array().into_iter().flatten().enumerate() {
+            line(format!("  class {i}: {} B per expert ({} per slot), {} layers", u(&c["expert_bytes"]), human(u(&c["slot_bytes"])), u(&c["layers"])));
+        }
+        let w = &r["token_working_set"];
+        line(format!(
+            "one token's experts: {} per layer on average, {} at most; {} for all layers (one token cycle)",
+            human(u(&w["per_layer_mean_bytes"])),
+            human(u(&w["per_layer_max_bytes"])),
+            human(u(&w["token_cycle_bytes"]))
+        ));
+    }
+    if let Some(b) = r.get("budget") {
+        line(format!("\nbudget {}  reserve {}", human(u(&b["budget_bytes"])), human(u(&b["reserve_bytes"]))));
+        if let Some(e) = b["error"].as_str() {
+            line(format!("  {e}"));
+        } else {
+            line(format!(
+                "  anonymous memory after load (estimate) {}, arena {}, {:.1} token cycles",
+                human(u(&b["anonymous_after_load_estimate_bytes"])),
+                human(u(&b["arena_bytes"])),
+                b["token_cycles_held"].as_f64().unwrap_or(0.0)
+            ));
+            for s in b["slots"].as_array().into_iter().flatten() {
+                line(format!("  {} slots of {}", u(&s["slots"]), human(u(&s["expert_bytes"]))));
+            }
+            line(format!("  smallest budget that runs (estimate): {}", human(u(&b["min_budget_bytes"]))));
+        }
+    }
+    s
+}

@@ -1,0 +1,58 @@
+//! `sdq limit` enforces a memory limit with a real cgroup, and
+//! `--ram-budget auto` picks that limit up.
+
+use crate::util::*;
+use serde_json::Value;
+use std::process::Command;
+
+/// Runs `sdq limit --memory LIMIT -- CMD`, returning the exit code and report,
+/// or None (with a printed reason) where the report says nothing was enforced.
+fn limited(limit: &str, cmd: &[&str]) -> Option<(Option<i32>, Value)> {
+    let report = scratch().join(format!("limit-{}.json", std::process::id()));
+    let o = run(Command::new(bin("sdq")).args(["limit", "--memory", limit, "--report", report.to_str().unwrap(), "--"]).args(cmd), 300);
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    if r["enforced"] != true {
+        eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
+        return None;
+    }
+    Some((o.status.code(), r))
+}
+
+#[test]
+fn a_process_over_the_limit_is_oom_killed_and_reported() {
+    let Some((code, r)) = limited("64M", &["python3", "-c", "x = bytearray(256 << 20)"]) else { return };
+    assert_eq!(code, Some(128 + 9), "{r}");
+    assert_eq!(r["signal"], 9);
+    assert!(r["oom_kills"].as_u64() >= Some(1), "{r}");
+    assert_eq!(r["swap_bytes"], 0);
+    assert!(r["peak_bytes"].as_u64() <= Some(64 << 20), "{r}");
+}
+
+#[test]
+fn a_process_under_the_limit_runs_and_its_peak_is_measured() {
+    let Some((code, r)) = limited("256M", &["python3", "-c", "x = bytearray(64 << 20); x[::4096] = b'x' * len(x[::4096])"]) else { return };
+    assert_eq!(code, Some(0), "{r}");
+    assert_eq!(r["oom_kills"], 0);
+    let peak = r["peak_bytes"].as_u64().unwrap();
+    assert!(peak >= 64 << 20 && peak <= 256 << 20, "{r}");
+    // The runner removed its cgroup.
+    let cgroups = std::fs::read_to_string("/proc/self/cgroup").unwrap();
+    assert!(!cgroups.contains("sdq-limit"), "{cgroups}");
+}
+
+#[test]
+fn auto_budget_takes_the_cgroup_limit() {
+    let stats = scratch().join("auto-stats.json");
+    let _ = std::fs::remove_file(&stats);
+    let model = tiny().to_str().unwrap();
+    let sdq = bin("sdq");
+    let Some((code, r)) = limited(
+        "1536M",
+        &[sdq.to_str().unwrap(), "eval", "-m", model, "-n", "4", "--ram-budget", "auto", "--sdq-stats", stats.to_str().unwrap()],
+    ) else {
+        return;
+    };
+    assert_eq!(code, Some(0), "{r}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(s["budget_bytes"], 1536u64 << 20, "auto did not pick the cgroup limit: {s}");
+}
