@@ -12,8 +12,8 @@ fn inspect_accounts_for_the_tiny_model() {
     let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
     // tiny: n_embd 256, expert FFN 256, 16 experts top-4, 8 layers; down Q6_K
     // on layers 0, 3, 6, 7 (use_more_bits), Q4_K elsewhere; gate/up Q4_K.
-    let q4k_row = 256 / 256 * 144; // bytes of a 256-wide Q4_K row
-    let q6k_row = 256 / 256 * 210;
+    // A 256-wide row is one block: 144 B in Q4_K, 210 B in Q6_K.
+    let (q4k_row, q6k_row) = (144, 210);
     let small = 3 * 256 * q4k_row; // gate + up + Q4_K down
     let large = 2 * 256 * q4k_row + 256 * q6k_row;
     assert_eq!((small, large), (110_592, 127_488));
