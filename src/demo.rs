@@ -32,7 +32,7 @@ impl DemoOptions {
 }
 
 /// The demo model: the 35B-A3B geometry (256 experts top-8, expert FFN 512,
-/// n_embd 2048, hybrid attention) cut to 8 layers, about 4.6 GB.
+/// n_embd 2048, hybrid attention) cut to 8 layers, about 4.8 GB (4.47 GiB).
 pub fn demo_spec() -> ModelSpec {
     let mut spec = ModelSpec::preset("35b-a3b").expect("preset");
     spec.n_layer = 8;
@@ -88,7 +88,7 @@ fn complete(o: &DemoOptions, budget: Option<u64>, stats: &Path) -> Result<Run> {
 pub fn run(o: &DemoOptions) -> Result<()> {
     let spec = demo_spec();
     if !o.model.is_file() {
-        println!("generating the demo model {} (once; about 4.6 GB, a minute)...", o.model.display());
+        println!("generating the demo model {} (once; about 4.8 GB, a minute)...", o.model.display());
         if let Some(dir) = o.model.parent() {
             std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create", dir, e))?;
         }

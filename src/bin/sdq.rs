@@ -16,7 +16,7 @@ struct Cli {
 enum Command {
     /// Write a MoE GGUF model with real quantized tensors and random weights.
     GenModel(GenModelArgs),
-    /// The main job on a built-in default: a generated ~4.6 GB MoE model run
+    /// The main job on a built-in default: a generated ~4.8 GB MoE model run
     /// greedily in a 1.5 GiB RAM budget, checked against stock llama.cpp.
     Demo(DemoArgs),
     /// A model's memory accounting from its metadata (and, with --ram-budget,
