@@ -12,7 +12,21 @@ use serde_json::{json, Value};
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::time::Instant;
+
+/// The running command's pid, for the signal forwarder (0: none).
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+/// Forwards SIGINT/SIGTERM/SIGHUP to the command, so the runner itself
+/// lives on to collect the report and remove its cgroup.
+extern "C" fn forward_signal(sig: libc::c_int) {
+    let pid = CHILD.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe and touches no memory of ours.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Version {
@@ -171,7 +185,14 @@ pub fn run_limited(limit: u64, argv: &[String]) -> Result<Value> {
             c
         }
     };
-    let status = cmd.status().map_err(|e| Error::io("cannot run", Path::new(program), e))?;
+    let mut child = cmd.spawn().map_err(|e| Error::io("cannot run", Path::new(program), e))?;
+    CHILD.store(child.id() as i32, Ordering::SeqCst);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: installs a handler that only calls kill (async-signal-safe).
+        unsafe { libc::signal(sig, forward_signal as *const () as libc::sighandler_t) };
+    }
+    let status = child.wait().map_err(|e| Error::io("waiting for", Path::new(program), e))?;
+    CHILD.store(0, Ordering::SeqCst);
     let mut report = json!({
         "command": argv,
         "limit_bytes": limit,

@@ -56,3 +56,28 @@ fn auto_budget_takes_the_cgroup_limit() {
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert_eq!(s["budget_bytes"], 1536u64 << 20, "auto did not pick the cgroup limit: {s}");
 }
+
+#[test]
+fn a_terminated_runner_still_removes_its_cgroup() {
+    let report = scratch().join("limit-term.json");
+    let _ = std::fs::remove_file(&report);
+    let mut runner = Command::new(bin("sdq"))
+        .args(["limit", "--memory", "256M", "--report", report.to_str().unwrap(), "--", "sleep", "30"])
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let started = std::time::Instant::now();
+    assert!(Command::new("kill").args(["-TERM", &runner.id().to_string()]).status().unwrap().success());
+    let status = runner.wait().unwrap();
+    assert!(started.elapsed().as_secs() < 5, "the runner did not stop promptly");
+    assert_eq!(status.code(), Some(128 + 15), "{status}");
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    if r["enforced"] != true {
+        eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
+        return;
+    }
+    assert_eq!(r["signal"], 15, "{r}");
+    let dir = std::path::Path::new("/sys/fs/cgroup/memory");
+    let leftover = std::process::Command::new("find").arg(dir).args(["-maxdepth", "3", "-name", &format!("sdq-limit-{}", runner.id())]).output().unwrap();
+    assert!(leftover.stdout.is_empty(), "cgroup left behind: {}", String::from_utf8_lossy(&leftover.stdout));
+}
