@@ -92,12 +92,36 @@ impl ProcMemory {
     }
 }
 
-/// `RLIMIT_DATA` if set: an upper bound on anonymous memory, never the budget.
-pub fn rlimit_data() -> Option<u64> {
+/// The soft limit on `resource` (`libc::RLIMIT_*`), if one is set.
+fn rlimit(resource: libc::__rlimit_resource_t) -> Option<u64> {
     let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
     // SAFETY: getrlimit writes one rlimit struct that we own.
-    let ok = unsafe { libc::getrlimit(libc::RLIMIT_DATA, &mut r) } == 0;
+    let ok = unsafe { libc::getrlimit(resource, &mut r) } == 0;
     (ok && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur)
+}
+
+/// `RLIMIT_DATA` if set: an upper bound on anonymous memory, never the budget.
+pub fn rlimit_data() -> Option<u64> {
+    rlimit(libc::RLIMIT_DATA)
+}
+
+/// `MemAvailable` from `/proc/meminfo`.
+fn mem_available() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/meminfo").ok()?;
+    s.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * KIB)
+}
+
+/// `--ram-budget auto`: the tightest of this process's memory cgroup limit,
+/// `MemAvailable` and `RLIMIT_AS`, with where it came from.
+pub fn auto_budget() -> Option<(u64, &'static str)> {
+    [
+        (crate::limit::cgroup_limit(), "the memory cgroup's limit"),
+        (mem_available(), "MemAvailable in /proc/meminfo"),
+        (rlimit(libc::RLIMIT_AS), "RLIMIT_AS"),
+    ]
+    .into_iter()
+    .filter_map(|(v, s)| v.map(|v| (v, s)))
+    .min_by_key(|(v, _)| *v)
 }
 
 /// What the arena may take: budget − anonymous RSS − reserve, never more than

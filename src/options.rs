@@ -40,31 +40,13 @@ fn size_of(flag: &str, value: &str) -> Result<u64> {
 /// A budget value: a size, or `auto` (what this process may use, see `auto_budget`).
 fn budget_of(flag: &str, value: &str) -> Result<u64> {
     if value.trim().eq_ignore_ascii_case("auto") {
-        let (bytes, source) = auto_budget().ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
+        let (bytes, source) = crate::budget::auto_budget().ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
         eprintln!("sdq: {flag} auto = {} ({source})", crate::budget::human(bytes));
         return Ok(bytes);
     }
     size_of(flag, value)
 }
 
-/// The tightest of: this process's memory cgroup limit, `MemAvailable`, and
-/// `RLIMIT_AS`; with where it came from.
-pub fn auto_budget() -> Option<(u64, &'static str)> {
-    let mem_available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|s| {
-        s.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * 1024)
-    });
-    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-    // SAFETY: getrlimit writes one rlimit struct that we own.
-    let as_limit = (unsafe { libc::getrlimit(libc::RLIMIT_AS, &mut r) } == 0 && r.rlim_cur != libc::RLIM_INFINITY).then_some(r.rlim_cur);
-    [
-        (crate::limit::cgroup_limit(), "the memory cgroup's limit"),
-        (mem_available, "MemAvailable in /proc/meminfo"),
-        (as_limit, "RLIMIT_AS"),
-    ]
-    .into_iter()
-    .filter_map(|(v, s)| v.map(|v| (v, s)))
-    .min_by_key(|(v, _)| *v)
-}
 
 fn mib_of(flag: &str, value: &str) -> Result<u64> {
     match value.trim().parse::<u64>() {
