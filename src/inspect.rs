@@ -6,7 +6,7 @@ use crate::budget::{self, human, MIB};
 use crate::error::{Error, Result};
 use crate::ggml::GgmlType;
 use crate::gguf::{Gguf, TensorInfo};
-use crate::pager::arena::SLOT_ALIGN;
+use crate::pager::arena::slot_bytes;
 use crate::pager::layout::{Layout, PagedTensor, Part};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -114,7 +114,7 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
             .class_bytes
             .iter()
             .zip(layout.layers_per_class())
-            .map(|(&b, n)| json!({ "expert_bytes": b, "slot_bytes": b.div_ceil(SLOT_ALIGN) * SLOT_ALIGN, "layers": n }))
+            .map(|(&b, n)| json!({ "expert_bytes": b, "slot_bytes": slot_bytes(b), "layers": n }))
             .collect::<Vec<_>>()),
     );
     o.insert(

@@ -9,6 +9,11 @@ use std::ptr::NonNull;
 /// expert never shares a page with another).
 pub const SLOT_ALIGN: usize = 4096;
 
+/// Bytes a slot for an expert of `expert_bytes` occupies (rounded up to SLOT_ALIGN).
+pub fn slot_bytes(expert_bytes: usize) -> usize {
+    expert_bytes.div_ceil(SLOT_ALIGN) * SLOT_ALIGN
+}
+
 /// A slot's index in the arena (slots of all classes are numbered together).
 pub type SlotId = usize;
 
@@ -54,7 +59,7 @@ impl Arena {
         let mut out = Vec::with_capacity(classes.len());
         let (mut offset, mut first) = (0usize, 0usize);
         for &(expert_bytes, count) in classes {
-            let slot_bytes = expert_bytes.div_ceil(SLOT_ALIGN) * SLOT_ALIGN;
+            let slot_bytes = slot_bytes(expert_bytes);
             out.push(SlotClass { expert_bytes, slot_bytes, first, count, offset });
             offset = slot_bytes
                 .checked_mul(count)

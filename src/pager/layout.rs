@@ -1,6 +1,7 @@
 //! Where the routed experts are: the paged tensors the loader reported, and
 //! per layer the file ranges of one expert's parts and their place in a slot.
 
+use super::arena::slot_bytes;
 use crate::budget::human;
 use crate::error::{Error, Result};
 use crate::ggml::GgmlType;
@@ -163,10 +164,10 @@ impl Layout {
     /// (layers of the class × top-k), at least one layer's top-k, and never
     /// more than the class has experts. Errors with the minimum that would work.
     pub fn plan_slots(&self, arena_bytes: u64, top_k: usize) -> Result<Vec<(usize, usize)>> {
-        let slot = |b: usize| b.div_ceil(super::arena::SLOT_ALIGN) * super::arena::SLOT_ALIGN;
+        let slot = slot_bytes;
         let layers = self.layers_per_class();
         let n_expert = self.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
-        let min: u64 = self.class_bytes.iter().map(|&b| (top_k * slot(b)) as u64).sum();
+        let min = self.min_arena_bytes(top_k);
         if arena_bytes < min {
             return Err(Error::invalid(format!(
                 "an arena of {} cannot hold one layer's top-{top_k} experts of each size (needs {})",
@@ -194,8 +195,7 @@ impl Layout {
 
     /// The smallest arena that runs: one layer's top-k slots of each class.
     pub fn min_arena_bytes(&self, top_k: usize) -> u64 {
-        let slot = |b: usize| b.div_ceil(super::arena::SLOT_ALIGN) * super::arena::SLOT_ALIGN;
-        self.class_bytes.iter().map(|&b| (top_k * slot(b)) as u64).sum()
+        self.class_bytes.iter().map(|&b| (top_k * slot_bytes(b)) as u64).sum()
     }
 
     /// Drops every expert range from the page cache: what kernel readahead
