@@ -203,6 +203,10 @@ struct GenModelArgs {
     /// Type of all routed-expert tensors (e.g. q8_0, q4_0, q5_K) instead of the Q4_K_M rule.
     #[arg(long)]
     expert_type: Option<String>,
+    /// Router preference for some experts: 0 = near-uniform routing (the worst case
+    /// for a cache), 2 = trained-looking hot and cold experts.
+    #[arg(long, default_value_t = 2.0, allow_negative_numbers = true)]
+    router_skew: f32,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Quantizer threads (default: all cores).
@@ -230,6 +234,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
          full_attention_interval = full_attention_interval);
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
+    spec.router_skew = a.router_skew;
     if let Some(t) = &a.expert_type {
         spec.expert_type = Some(
             sdq::ggml::GgmlType::from_name(t)

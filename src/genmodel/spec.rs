@@ -60,6 +60,10 @@ pub struct ModelSpec {
     pub context_length: u32,
     /// Type of every routed-expert tensor instead of the Q4_K_M rule.
     pub expert_type: Option<GgmlType>,
+    /// How strongly the routers prefer some experts over others: 0 routes on
+    /// noise alone (near-uniform use, the worst case for a cache), 2 (the
+    /// default) gives trained-looking hot and cold experts.
+    pub router_skew: f32,
     pub seed: u64,
 }
 
@@ -91,6 +95,7 @@ impl ModelSpec {
                 fused_gate_up: false,
                 context_length: 4096,
                 expert_type: None,
+                router_skew: 2.0,
                 seed: 1,
             }),
             "35b-a3b" => Ok(ModelSpec {
@@ -113,6 +118,7 @@ impl ModelSpec {
                 fused_gate_up: false,
                 context_length: 262_144,
                 expert_type: None,
+                router_skew: 2.0,
                 seed: 1,
             }),
             other => Err(Error::invalid(format!("unknown preset '{other}' (known: {})", PRESETS.join(", ")))),
@@ -182,6 +188,9 @@ impl ModelSpec {
             if self.fused_gate_up {
                 return bad("qwen3moe's loader does not accept fused gate/up experts".into());
             }
+        }
+        if !(self.router_skew.is_finite() && (0.0..=16.0).contains(&self.router_skew)) {
+            return bad(format!("router skew {} is outside 0..=16", self.router_skew));
         }
         if let Some(t) = self.expert_type {
             if !t.can_quantize() {
@@ -342,7 +351,7 @@ impl ModelSpec {
                 }
             }
             let (x, f) = (self.n_expert, self.n_ff_exp);
-            add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: 2.0, layer: il });
+            add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il });
             let gate_up_ty = self.expert_type.unwrap_or(q4k);
             let down_ty = self.expert_type.unwrap_or(more);
             if self.fused_gate_up {

@@ -129,6 +129,7 @@ fn bad_geometry_is_a_clear_error() {
         (&["--preset", "huge"][..], "unknown preset 'huge'"),
         (&["--vocab", "1000"][..], "smaller than the tokenizer"),
         (&["--expert-type", "q9_9"][..], "unknown ggml type 'q9_9'"),
+        (&["--router-skew", "-1"][..], "router skew -1 is outside 0..=16"),
     ] {
         let out = scratch().join("bad.gguf");
         let o = run(Command::new(bin("sdq")).arg("gen-model").args(args).arg("-o").arg(&out), 60);
