@@ -378,6 +378,6 @@ fn router_skew_sets_how_many_experts_a_text_touches() {
     let (flat, skewed) = (touched("0"), touched("2"));
     // 4 layers x 64 experts; a trained-looking router keeps coming back to
     // its favourites (measured: 112 against 65 distinct experts).
-    assert!(flat <= 256 && flat >= 96, "near-uniform routing touched {flat} of 256 experts");
+    assert!((96..=256).contains(&flat), "near-uniform routing touched {flat} of 256 experts");
     assert!(skewed * 4 < flat * 3, "skew 2 touched {skewed} experts, not clearly fewer than skew 0's {flat}");
 }
