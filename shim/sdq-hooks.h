@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 2
+#define SDQ_HOOKS_VERSION 3
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -38,6 +38,10 @@ struct sdq_hooks {
 
     /* Loader: weight `t` (in paged_buft) has its bytes in file `idx` at `offs`. */
     void (*paged_weight)(void * user_data, const struct ggml_tensor * t, uint32_t idx, uint64_t offs);
+
+    /* Loader: weight `t` (not paged) stays in the file mapping: its bytes are
+     * file-backed page cache rather than anonymous memory. */
+    void (*mapped_weight)(void * user_data, const struct ggml_tensor * t);
 
     /* Graph: the expert matmul ggml_mul_mat_id(as, b, ids) for a weight `as`
      * placed in paged_buft. Returns a tensor of ggml_mul_mat_id's shape and

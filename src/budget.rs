@@ -124,21 +124,36 @@ pub fn auto_budget() -> Option<(u64, &'static str)> {
     .min_by_key(|(v, _)| *v)
 }
 
-/// What the arena may take: budget − anonymous RSS − reserve, never more than
-/// what `RLIMIT_DATA` leaves. Errors name the figures when nothing is left.
-pub fn arena_bytes(budget: u64, reserve: u64, rss_anon: u64, rlimit: Option<u64>) -> Result<u64> {
-    let used = rss_anon.saturating_add(reserve);
+/// What the process holds outside the arena when the pager starts.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Anonymous RSS: KV cache, compute buffers, repacked weights.
+    pub anon: u64,
+    /// Weights left in the file mapping that every token reads (all but the
+    /// embedding, which is read a row per token). They are page cache, not
+    /// anonymous memory, but under a limit that counts page cache (a cgroup,
+    /// or simply a machine of the budget's size) they must stay resident:
+    /// evicted, they are read back from disk on every token.
+    pub mapped: u64,
+}
+
+/// What the arena may take: budget − anonymous RSS − mapped weights −
+/// reserve, never more than what `RLIMIT_DATA` leaves (which counts anonymous
+/// memory only). Errors name the figures when nothing is left.
+pub fn arena_bytes(budget: u64, reserve: u64, held: Held, rlimit: Option<u64>) -> Result<u64> {
+    let used = held.anon.saturating_add(held.mapped).saturating_add(reserve);
     if used >= budget {
         return Err(Error::invalid(format!(
-            "RAM budget {} leaves nothing for experts: the process already holds {} anonymous memory and the reserve is {}",
+            "RAM budget {} leaves nothing for experts: the process already holds {} anonymous memory and {} of mapped weights, and the reserve is {}",
             human(budget),
-            human(rss_anon),
+            human(held.anon),
+            human(held.mapped),
             human(reserve)
         )));
     }
     let mut arena = budget - used;
     if let Some(limit) = rlimit {
-        arena = arena.min(limit.saturating_sub(rss_anon));
+        arena = arena.min(limit.saturating_sub(held.anon));
     }
     Ok(arena)
 }
@@ -184,9 +199,14 @@ mod tests {
 
     #[test]
     fn arena_sizing() {
-        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, GIB, None).unwrap(), 8 * GIB - GIB - 512 * MIB);
-        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, GIB, Some(2 * GIB)).unwrap(), GIB);
-        let e = arena_bytes(GIB, 512 * MIB, GIB, None).unwrap_err().to_string();
+        let held = Held { anon: GIB, mapped: 0 };
+        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, None).unwrap(), 8 * GIB - GIB - 512 * MIB);
+        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, Some(2 * GIB)).unwrap(), GIB);
+        let held = Held { anon: GIB, mapped: GIB };
+        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, None).unwrap(), 6 * GIB - 512 * MIB);
+        // RLIMIT_DATA counts anonymous memory only: mapped weights do not eat into it.
+        assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, Some(3 * GIB)).unwrap(), 2 * GIB);
+        let e = arena_bytes(2 * GIB, 512 * MIB, held, None).unwrap_err().to_string();
         assert!(e.contains("1.00 GiB") && e.contains("512.0 MiB"), "{e}");
     }
 }

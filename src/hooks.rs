@@ -34,6 +34,7 @@ pub fn install() {
             loader_file: Some(loader_file),
             is_paged: Some(is_paged),
             paged_weight: Some(paged_weight),
+            mapped_weight: Some(mapped_weight),
             mul_mat_id: Some(mul_mat_id),
         })
     });
@@ -91,6 +92,15 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
             file: idx,
             offset: offs,
         });
+    })
+}
+
+extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
+    guard("mapped_weight", || {
+        let Some(rt) = runtime::get() else { return };
+        // SAFETY: llama.cpp passes the tensor it just placed in the mapping.
+        let (name, bytes) = unsafe { (tensor_name(t), sys::ggml_nbytes(t) as u64) };
+        rt.on_mapped_weight(name, bytes);
     })
 }
 

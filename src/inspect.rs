@@ -137,17 +137,24 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
             .map(|(_, t)| t.size)
             .sum();
         let anon_estimate = copied + 64 * MIB;
-        let budget_json = match budget::arena_bytes(budget, reserve, anon_estimate, None) {
+        // The rest stays in the file mapping; every token reads all of it but
+        // the input embedding (unless the output shares it).
+        let has_output = tensors.iter().any(|(_, t)| t.name == "output.weight");
+        let embd: u64 = tensors.iter().filter(|(_, t)| t.name == "token_embd.weight" && has_output).map(|(_, t)| t.size).sum();
+        let mapped_estimate = resident_total - copied - embd;
+        let held = budget::Held { anon: anon_estimate, mapped: mapped_estimate };
+        let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
                 let slots = layout.plan_slots(arena, top_k).ok();
                 json!({
                     "budget_bytes": budget,
                     "reserve_bytes": reserve,
                     "anonymous_after_load_estimate_bytes": anon_estimate,
+                    "mapped_weights_estimate_bytes": mapped_estimate,
                     "arena_bytes": arena,
                     "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
                     "token_cycles_held": arena as f64 / token_cycle as f64,
-                    "min_budget_bytes": anon_estimate + reserve + layout.min_arena_bytes(top_k),
+                    "min_budget_bytes": anon_estimate + mapped_estimate + reserve + layout.min_arena_bytes(top_k),
                 })
             }
             Err(e) => json!({ "budget_bytes": budget, "reserve_bytes": reserve, "error": e.to_string() }),
@@ -206,8 +213,9 @@ pub fn render(r: &Value) -> String {
             line(format!("  {e}"));
         } else {
             line(format!(
-                "  anonymous memory after load (estimate) {}, arena {}, {:.1} token cycles",
+                "  after load (estimates): {} anonymous, {} of mapped weights read every token; arena {}, {:.1} token cycles",
                 human(u(&b["anonymous_after_load_estimate_bytes"])),
+                human(u(&b["mapped_weights_estimate_bytes"])),
                 human(u(&b["arena_bytes"])),
                 b["token_cycles_held"].as_f64().unwrap_or(0.0)
             ));

@@ -105,6 +105,15 @@ impl Cgroup {
                 }
             }
             Version::V2 => {
+                if !cg.dir.join("memory.max").exists() {
+                    // v2's no-internal-process rule: a cgroup that holds
+                    // processes (ours) cannot hand the memory controller down.
+                    return Err(format!(
+                        "the memory controller is not enabled below {} (its cgroup.subtree_control lacks \"memory\"); \
+                         run sdq limit inside a delegated cgroup, e.g. `systemd-run --user --scope -p Delegate=yes sdq limit ...`",
+                        parent.display()
+                    ));
+                }
                 set("memory.max", limit.to_string())?;
                 if cg.dir.join("memory.swap.max").exists() {
                     set("memory.swap.max", "0".into())?;

@@ -21,6 +21,8 @@ use std::time::{Duration, Instant};
 pub struct ArenaPlan {
     pub reserve: u64,
     pub rss_anon_at_start: u64,
+    /// Weights in the file mapping that every token reads (see `budget::Held`).
+    pub mapped_weight_bytes: u64,
     pub arena_bytes: u64,
     /// (expert bytes, slots) per class.
     pub slots: Vec<(usize, usize)>,
@@ -32,6 +34,19 @@ pub struct ArenaPlan {
 struct Registry {
     files: BTreeMap<u32, PathBuf>,
     tensors: BTreeMap<String, PagedTensor>,
+    /// Weights the loader left in the file mapping: (name, bytes).
+    mapped: Vec<(String, u64)>,
+}
+
+impl Registry {
+    /// Bytes of mapped weights each token reads: all but one `token_embd.weight`,
+    /// the input embedding, which `get_rows` reads a row per token. (A model
+    /// with tied embeddings maps it twice, once as the output: that one counts.)
+    fn mapped_hot_bytes(&self) -> u64 {
+        let total: u64 = self.mapped.iter().map(|(_, b)| b).sum();
+        let embd = self.mapped.iter().find(|(n, _)| n == "token_embd.weight").map_or(0, |(_, b)| *b);
+        total - embd
+    }
 }
 
 pub struct Runtime {
@@ -119,6 +134,10 @@ impl Runtime {
         Ok(true)
     }
 
+    pub fn on_mapped_weight(&self, name: String, bytes: u64) {
+        self.lock_registry().mapped.push((name, bytes));
+    }
+
     pub fn on_paged_weight(&self, t: PagedTensor) {
         self.lock_registry().tensors.insert(t.name.clone(), t);
     }
@@ -135,31 +154,34 @@ impl Runtime {
     }
 
     fn create_pager(&self, top_k: usize) -> Result<(Pager, ArenaPlan), Error> {
-        let (tensors, files) = {
+        let (tensors, files, mapped) = {
             let r = self.lock_registry();
-            (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone())
+            (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone(), r.mapped_hot_bytes())
         };
         let layout = Layout::build(&tensors, &files)?;
         layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
+        let held = budget::Held { anon: rss, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
         let too_small = || {
             Error::invalid(format!(
-                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
+                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory and {} of mapped weights, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
                 human(self.budget),
                 human(rss),
+                human(mapped),
                 human(reserve),
                 human(min_arena),
-                human(rss + reserve + min_arena)
+                human(rss + mapped + reserve + min_arena)
             ))
         };
-        let arena_bytes = budget::arena_bytes(self.budget, reserve, rss, budget::rlimit_data()).map_err(|_| too_small())?;
+        let arena_bytes = budget::arena_bytes(self.budget, reserve, held, budget::rlimit_data()).map_err(|_| too_small())?;
         let slots = layout.plan_slots(arena_bytes, top_k).map_err(|_| too_small())?;
         let counts: Vec<usize> = slots.iter().map(|s| s.1).collect();
         let plan = ArenaPlan {
             reserve,
             rss_anon_at_start: rss,
+            mapped_weight_bytes: mapped,
             arena_bytes,
             slots: slots.clone(),
             top_k,
@@ -255,6 +277,7 @@ impl Runtime {
             let o = v.as_object_mut().expect("object");
             o.insert("reserve_bytes".into(), json!(plan.reserve));
             o.insert("rss_anon_after_load_bytes".into(), json!(plan.rss_anon_at_start));
+            o.insert("mapped_weight_bytes".into(), json!(plan.mapped_weight_bytes));
             o.insert("arena_bytes".into(), json!(plan.arena_bytes));
             o.insert("load_seconds".into(), json!(plan.load_seconds));
             o.insert("top_k".into(), json!(plan.top_k));

@@ -41,12 +41,29 @@ impl ExpertReader {
                 Err(e) => return Err(e),
             }
         }
+        // The slot now holds these bytes; a second copy in the page cache
+        // would only push out pages that are needed (the mapped weights),
+        // and under a limit that counts page cache, it is charged too.
+        drop_cached(file, offset, buf.len() as u64);
         Ok(())
     }
 
     /// Reads issued so far.
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::Relaxed)
+    }
+}
+
+/// Turns kernel readahead off for the pager's own descriptor of `file`:
+/// expert slices are read whole and at random, and readahead around each
+/// (up to `read_ahead_kb`, 8 MiB on some disks) would read several times the
+/// bytes asked for and fill the page cache with neighbours nobody uses.
+/// llama.cpp's mapping of the same file keeps its own readahead.
+pub fn advise_random(file: &File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advice on a descriptor we hold open; it reads or writes no memory of ours.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_RANDOM);
     }
 }
 

@@ -103,6 +103,7 @@ impl Layout {
         for (&idx, path) in files {
             let f = File::open(path).map_err(|e| Error::io("cannot open model file", path, e))?;
             let len = f.metadata().map_err(|e| Error::io("cannot stat", path, e))?.len();
+            super::io::advise_random(&f);
             opened.insert(idx, (Arc::new(f), len));
         }
         let mut by_layer: BTreeMap<u32, Vec<&PagedTensor>> = BTreeMap::new();

@@ -381,3 +381,29 @@ fn router_skew_sets_how_many_experts_a_text_touches() {
     assert!((96..=256).contains(&flat), "near-uniform routing touched {flat} of 256 experts");
     assert!(skewed * 4 < flat * 3, "skew 2 touched {skewed} experts, not clearly fewer than skew 0's {flat}");
 }
+
+/// The budget holds the weights left in the file mapping (each token reads
+/// them all, bar the embedding's other rows): with `--no-repack` that is every
+/// resident tensor but `token_embd`, and with `--load-mode none` nothing.
+#[test]
+fn mapped_weights_are_counted_against_the_budget() {
+    let g = sdq::gguf::Gguf::open(tiny()).unwrap();
+    let ts = g.tensors();
+    let resident: u64 = ts.iter().filter(|t| !t.name.contains("_exps.")).map(|t| t.size).sum();
+    let embd = ts.iter().find(|t| t.name == "token_embd.weight").unwrap().size;
+    let plain = eval(tiny(), "mapped-norepack", &["-n", "4", "--no-repack", "--ram-budget", "1G"]).stats.unwrap();
+    assert_eq!(u(&plain, "mapped_weight_bytes"), resident - embd, "{plain}");
+    let anon_and_mapped = u(&plain, "rss_anon_after_load_bytes") + u(&plain, "mapped_weight_bytes");
+    assert_eq!(u(&plain, "arena_bytes") + anon_and_mapped + u(&plain, "reserve_bytes"), 1 << 30, "arena: {plain}");
+
+    let stats = scratch().join("stats-mapped-nommap.json");
+    let o = run(
+        Command::new(bin("llama-completion"))
+            .args(completion_args(tiny(), "Hello", 4))
+            .args(["--load-mode", "none", "--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!(u(&s, "mapped_weight_bytes"), 0, "--load-mode none maps nothing: {s}");
+}
