@@ -26,7 +26,9 @@ struct sdq_hooks {
     void * user_data;                      /* passed to every callback */
 
     /* Buffer type for weights that stay in the file; NULL pages nothing. The
-     * loader neither prefetches nor reads tensors placed in it. */
+     * loader neither prefetches nor reads tensors placed in it. While it is
+     * set, the AUTO load mode reads all other weights into memory (an explicit
+     * mmap mode still maps them, and mapped_weight reports them). */
     ggml_backend_buffer_type_t paged_buft;
 
     /* Loader: file idx of the model being loaded is `path` (split GGUFs give

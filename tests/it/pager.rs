@@ -75,6 +75,25 @@ fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
     (u(probe, "rss_anon_after_load_bytes") + reserve + arena).to_string()
 }
 
+/// A budget that leaves `tool` (run with `args`) an arena of one layer's
+/// top-k experts plus `extra` bytes over a 16 MiB reserve, from a probe run
+/// that reports what the process holds after load (the resident weights are
+/// read into memory under a budget, so this is most of the budget).
+fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64) -> String {
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let stats = scratch().join(format!("probe-{}.json", PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let o = run(
+        Command::new(bin(tool)).args(args).args(["--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]).envs(env.iter().copied()),
+        300,
+    );
+    assert!(o.status.success(), "probe {tool} {args:?}: {}", stderr(&o));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+    let min: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&s, "top_k")).sum();
+    // 1 MiB more: anonymous RSS after load varies a little between runs.
+    (u(&s, "rss_anon_after_load_bytes") + 16 * MIB + min + MIB + extra).to_string()
+}
+
 #[test]
 fn identical_to_stock_at_every_budget_thread_count_and_batch() {
     let model = tiny();
@@ -143,7 +162,9 @@ fn fused_gate_up_and_qwen3moe_are_identical_to_stock() {
     let q3 = gen_model("pager-qwen3moe.gguf", &["--preset", "tiny", "--arch", "qwen3moe", "--layers", "4", "--experts", "32", "--top-k", "4", "--seed", "6"]);
     for (m, tag) in [(&fused, "fused"), (&q3, "qwen3moe")] {
         let stock = eval(m, &format!("{tag}-stock"), &["-n", "64", "--no-repack"]);
-        let paged = eval(m, &format!("{tag}-paged"), &["-n", "64", "--no-repack", "--ram-budget", "80M", "--sdq-reserve", "8M"]);
+        let args = ["eval", "-m", m.to_str().unwrap(), "-n", "64", "--no-repack"];
+        let budget = tight_budget("sdq", &args, &[], 2 * MIB);
+        let paged = eval(m, &format!("{tag}-paged"), &["-n", "64", "--no-repack", "--ram-budget", &budget, "--sdq-reserve", "16M"]);
         assert_eq!(paged.json["tokens"], stock.json["tokens"], "{tag}");
         assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{tag}");
         let s = paged.stats.unwrap();
@@ -156,7 +177,8 @@ fn other_expert_types_are_paged_identically() {
     for ty in ["q8_0", "q4_0", "q4_1", "q5_K", "iq4_xs", "mxfp4"] {
         let m = gen_model(&format!("pager-{ty}.gguf"), &["--preset", "tiny", "--layers", "4", "--expert-type", ty]);
         let stock = eval(&m, &format!("{ty}-stock"), &["-n", "32", "--no-repack"]);
-        let paged = eval(&m, &format!("{ty}-paged"), &["-n", "32", "--no-repack", "--ram-budget", "80M", "--sdq-reserve", "8M"]);
+        let budget = tight_budget("sdq", &["eval", "-m", m.to_str().unwrap(), "-n", "32", "--no-repack"], &[], 2 * MIB);
+        let paged = eval(&m, &format!("{ty}-paged"), &["-n", "32", "--no-repack", "--ram-budget", &budget, "--sdq-reserve", "16M"]);
         assert_eq!(paged.json["tokens"], stock.json["tokens"], "{ty}");
         assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{ty}");
     }
@@ -245,11 +267,12 @@ fn routed_experts_are_not_read_at_load() {
 fn perplexity_is_the_same_with_a_budget() {
     let text = scratch().join("ppl-pager.txt");
     std::fs::write(&text, "The lamp in the window burned late while the baker counted loaves and the cat slept. ".repeat(40)).unwrap();
+    let model = tiny().to_str().unwrap();
+    let base = ["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128", "--no-repack"];
     let ppl = |extra: &[&str]| {
-        let model = tiny().to_str().unwrap();
         let o = run(
             Command::new(bin("llama-perplexity"))
-                .args(["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128"])
+                .args(base)
                 .args(extra)
                 .env(PLAIN.0, PLAIN.1),
             300,
@@ -259,8 +282,9 @@ fn perplexity_is_the_same_with_a_budget() {
         all.split("Final estimate: PPL = ").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_string).unwrap()
     };
     // Stock's plain path (see PLAIN): the same value to every printed digit.
-    let stock = ppl(&["--no-repack"]);
-    assert_eq!(ppl(&["--no-repack", "--ram-budget", "100M", "--sdq-reserve", "16M"]), stock);
+    let stock = ppl(&[]);
+    let budget = tight_budget("llama-perplexity", &base, &[PLAIN], 4 * MIB);
+    assert_eq!(ppl(&["--ram-budget", &budget, "--sdq-reserve", "16M"]), stock);
 }
 
 #[test]
@@ -270,11 +294,13 @@ fn an_injected_read_error_stops_the_run_without_different_tokens() {
     let stock = run(Command::new(bin("llama-completion")).args(&args), 300);
     assert!(stock.status.success());
     // Reads 1 (first miss), 40 (mid-prefill), 150 (mid-decode) of a 3-read-per-miss minimum arena.
+    let arg_refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    let budget = tight_budget("llama-completion", &arg_refs, &[], 0);
     for n in ["1", "40", "150"] {
         let o = run(
             Command::new(bin("llama-completion"))
                 .args(&args)
-                .args(["--ram-budget", "90M", "--sdq-reserve", "16M"])
+                .args(["--ram-budget", &budget, "--sdq-reserve", "16M"])
                 .env("SDQ_FAULT_READ", n),
             300,
         );
@@ -350,7 +376,9 @@ fn server_with_a_budget_answers_concurrent_requests_like_stock() {
         let (_server, port) = start_server_env(&common, &[PLAIN]);
         ask(port)
     };
-    let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", "100M", "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
+    // Tiny's experts are 15 MB in all; 200M leaves them some 40 MB over what the
+    // server holds after load (its weights, 4 slots' KV cache).
+    let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", "200M", "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
     assert_eq!(ask(port), stock);
 }
 
@@ -382,28 +410,36 @@ fn router_skew_sets_how_many_experts_a_text_touches() {
     assert!(skewed * 4 < flat * 3, "skew 2 touched {skewed} experts, not clearly fewer than skew 0's {flat}");
 }
 
-/// The budget holds the weights left in the file mapping (each token reads
-/// them all, bar the embedding's other rows): with `--no-repack` that is every
-/// resident tensor but `token_embd`, and with `--load-mode none` nothing.
+/// Under a budget the resident weights are read into memory by default, so
+/// the budget counts them exactly as anonymous memory; an explicit
+/// `--load-mode mmap` leaves them in the file mapping, and then the budget
+/// holds them as mapped weights (each token reads them all, bar the
+/// embedding's other rows): every resident tensor but `token_embd`.
 #[test]
-fn mapped_weights_are_counted_against_the_budget() {
+fn resident_weights_are_counted_against_the_budget() {
     let g = sdq::gguf::Gguf::open(tiny()).unwrap();
     let ts = g.tensors();
     let resident: u64 = ts.iter().filter(|t| !t.name.contains("_exps.")).map(|t| t.size).sum();
     let embd = ts.iter().find(|t| t.name == "token_embd.weight").unwrap().size;
-    let plain = eval(tiny(), "mapped-norepack", &["-n", "4", "--no-repack", "--ram-budget", "1G"]).stats.unwrap();
-    assert_eq!(u(&plain, "mapped_weight_bytes"), resident - embd, "{plain}");
-    let anon_and_mapped = u(&plain, "rss_anon_after_load_bytes") + u(&plain, "mapped_weight_bytes");
-    assert_eq!(u(&plain, "arena_bytes") + anon_and_mapped + u(&plain, "reserve_bytes"), 1 << 30, "arena: {plain}");
-
-    let stats = scratch().join("stats-mapped-nommap.json");
-    let o = run(
-        Command::new(bin("llama-completion"))
-            .args(completion_args(tiny(), "Hello", 4))
-            .args(["--load-mode", "none", "--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]),
-        300,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-    assert_eq!(u(&s, "mapped_weight_bytes"), 0, "--load-mode none maps nothing: {s}");
+    let stats_for = |tag: &str, extra: &[&str]| {
+        let stats = scratch().join(format!("stats-{tag}.json"));
+        let o = run(
+            Command::new(bin("llama-completion"))
+                .args(completion_args(tiny(), "Hello", 4))
+                .args(["--no-repack", "--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()])
+                .args(extra),
+            300,
+        );
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let held = u(&s, "rss_anon_after_load_bytes") + u(&s, "mapped_weight_bytes");
+        assert_eq!(u(&s, "arena_bytes") + held + u(&s, "reserve_bytes"), 1 << 30, "{tag}: arena: {s}");
+        s
+    };
+    let loaded = stats_for("resident-default", &[]);
+    assert_eq!(u(&loaded, "mapped_weight_bytes"), 0, "{loaded}");
+    assert!(u(&loaded, "rss_anon_after_load_bytes") > resident, "resident weights not in memory: {loaded}");
+    let mapped = stats_for("resident-mmap", &["--load-mode", "mmap"]);
+    assert_eq!(u(&mapped, "mapped_weight_bytes"), resident - embd, "{mapped}");
+    assert!(u(&mapped, "rss_anon_after_load_bytes") < u(&loaded, "rss_anon_after_load_bytes") - (resident - embd));
 }
