@@ -4,7 +4,6 @@
 
 use crate::budget::{self, human, MIB};
 use crate::error::{Error, Result};
-use crate::ggml::GgmlType;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::pager::arena::slot_bytes;
 use crate::pager::layout::{Layout, PagedTensor, Part};
@@ -128,21 +127,13 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
 
     if let Some(budget) = budget {
         let reserve = reserve.unwrap_or_else(|| budget::default_reserve(budget));
-        // Anonymous memory after load is only known at run time; estimate it by
-        // the resident weights llama.cpp copies out of the mapping (repacked
-        // Q4_K matrices other than the embedding) plus 64 MiB of context.
-        let copied: u64 = tensors
-            .iter()
-            .filter(|(_, t)| Part::from_tensor_name(&t.name).is_none() && t.ty == GgmlType::Q4_K && t.ne[1] > 1 && !t.name.starts_with("token_embd"))
-            .map(|(_, t)| t.size)
-            .sum();
-        let anon_estimate = copied + 64 * MIB;
-        // The rest stays in the file mapping; every token reads all of it but
-        // the input embedding (unless the output shares it).
-        let has_output = tensors.iter().any(|(_, t)| t.name == "output.weight");
-        let embd: u64 = tensors.iter().filter(|(_, t)| t.name == "token_embd.weight" && has_output).map(|(_, t)| t.size).sum();
-        let mapped_estimate = resident_total - copied - embd;
-        let held = budget::Held { anon: anon_estimate, mapped: mapped_estimate };
+        // Under a budget the resident weights are read into memory (the default
+        // load mode), so anonymous memory after load is all of them plus the
+        // context (KV cache, compute buffers), which only the run knows: 64 MiB
+        // is assumed here. With --load-mode mmap the same bytes are held as
+        // mapped weights instead, less the embedding's unread rows.
+        let anon_estimate = resident_total + 64 * MIB;
+        let held = budget::Held { anon: anon_estimate, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
                 let slots = layout.plan_slots(arena, top_k).ok();
@@ -150,11 +141,10 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
                     "budget_bytes": budget,
                     "reserve_bytes": reserve,
                     "anonymous_after_load_estimate_bytes": anon_estimate,
-                    "mapped_weights_estimate_bytes": mapped_estimate,
                     "arena_bytes": arena,
                     "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
                     "token_cycles_held": arena as f64 / token_cycle as f64,
-                    "min_budget_bytes": anon_estimate + mapped_estimate + reserve + layout.min_arena_bytes(top_k),
+                    "min_budget_bytes": anon_estimate + reserve + layout.min_arena_bytes(top_k),
                 })
             }
             Err(e) => json!({ "budget_bytes": budget, "reserve_bytes": reserve, "error": e.to_string() }),
@@ -213,9 +203,8 @@ pub fn render(r: &Value) -> String {
             line(format!("  {e}"));
         } else {
             line(format!(
-                "  after load (estimates): {} anonymous, {} of mapped weights read every token; arena {}, {:.1} token cycles",
+                "  anonymous memory after load (estimate: resident weights + 64 MiB of context) {}, arena {}, {:.1} token cycles",
                 human(u(&b["anonymous_after_load_estimate_bytes"])),
-                human(u(&b["mapped_weights_estimate_bytes"])),
                 human(u(&b["arena_bytes"])),
                 b["token_cycles_held"].as_f64().unwrap_or(0.0)
             ));
