@@ -14,8 +14,8 @@ pub struct Options {
     pub budget: Option<u64>,
     pub reserve: Option<u64>,
     pub stats_file: Option<PathBuf>,
-    /// Fail the N-th expert read (fault injection for tests).
-    pub fault_read: Option<u64>,
+    /// Faults to inject into expert reads (`SDQ_FAULT_READ`, for tests).
+    pub faults: crate::pager::io::FaultPlan,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -70,7 +70,7 @@ impl Options {
             o.stats_file = Some(PathBuf::from(v));
         }
         if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
-            o.fault_read = Some(v.parse().map_err(|_| Error::invalid(format!("SDQ_FAULT_READ: '{v}' is not a read count")))?);
+            o.faults = crate::pager::io::FaultPlan::parse(&v).map_err(|e| Error::invalid(format!("SDQ_FAULT_READ: {e}")))?;
         }
 
         let mut kept = Vec::with_capacity(args.len());
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), fault_read: None };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), faults: Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

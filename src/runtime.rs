@@ -82,11 +82,19 @@ pub fn install(options: Options) -> &'static Runtime {
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
-        .spawn(|| loop {
-            if let Some(rt) = RUNTIME.get() {
-                rt.sample_memory();
+        .spawn(|| {
+            for tick in 1u64.. {
+                if let Some(rt) = RUNTIME.get() {
+                    rt.sample_memory();
+                    // A snapshot each second: a run that ends without exit
+                    // handlers (Ctrl-C in llama-completion calls _exit) still
+                    // leaves a stats file, at most a second old.
+                    if tick % 50 == 0 && rt.pager.get().is_some() && !rt.finished.load(Ordering::SeqCst) {
+                        rt.write_stats(false);
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(20));
             }
-            std::thread::sleep(Duration::from_millis(20));
         })
         .expect("spawn memory sampler");
     rt
@@ -193,7 +201,7 @@ impl Runtime {
             human(layout.total_expert_bytes()),
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.fault_read))?;
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()))?;
         Ok((pager, plan))
     }
 
@@ -216,15 +224,44 @@ impl Runtime {
             return;
         }
         self.sample_memory();
-        let stats = self.stats_json();
-        if let Some(path) = &self.options.stats_file {
-            let text = serde_json::to_string_pretty(&stats).expect("stats serialize") + "\n";
-            if let Err(e) = std::fs::write(path, text) {
-                eprintln!("sdq: warning: cannot write stats to {}: {e}", path.display());
-            }
-        }
+        self.write_stats(true);
         if summary {
             eprintln!("{}", self.summary_line());
+        }
+    }
+
+    /// Writes the stats file, if one was asked for. A regular file (or a new
+    /// one) is replaced whole through a temporary file and a rename, so a
+    /// reader never sees half of it; anything else (`/dev/stdout`, a pipe) is
+    /// written directly, and only once, at the end. A failure is a warning,
+    /// printed once: the run's output matters more than its figures.
+    fn write_stats(&self, last: bool) {
+        static WARNED: AtomicBool = AtomicBool::new(false);
+        static WRITING: Mutex<()> = Mutex::new(());
+        let Some(path) = &self.options.stats_file else { return };
+        let _one_writer = WRITING.lock().unwrap_or_else(|p| p.into_inner());
+        if !last && self.finished.load(Ordering::SeqCst) {
+            return; // the final figures are (being) written: never overwrite them
+        }
+        let mut stats = self.stats_json();
+        stats["final"] = serde_json::Value::Bool(last);
+        let text = serde_json::to_string_pretty(&stats).expect("stats serialize") + "\n";
+        let regular = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(true);
+        let result = if regular {
+            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+            let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+            std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })
+        } else if last {
+            std::fs::write(path, &text)
+        } else {
+            Ok(())
+        };
+        if let Err(e) = result {
+            if !WARNED.swap(true, Ordering::SeqCst) {
+                eprintln!("sdq: warning: cannot write stats to {}: {e}", path.display());
+            }
         }
     }
 

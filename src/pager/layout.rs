@@ -2,6 +2,7 @@
 //! per layer the file ranges of one expert's parts and their place in a slot.
 
 use super::arena::slot_bytes;
+use super::io::FileStamp;
 use crate::budget::human;
 use crate::error::{Error, Result};
 use crate::ggml::GgmlType;
@@ -59,6 +60,8 @@ pub struct PartSpan {
     pub ty: GgmlType,
     pub file: Arc<File>,
     pub path: PathBuf,
+    /// The file as it was when opened (see `FileStamp`).
+    pub stamp: FileStamp,
     /// File offset of expert 0.
     pub offset: u64,
     /// Bytes of one expert (the tensor's nb[2]); expert e starts at offset + e·bytes.
@@ -99,12 +102,12 @@ impl Layout {
     /// Builds the layout from the paged tensors and the model's file paths,
     /// opening each file once and checking every range against its length.
     pub fn build(tensors: &[PagedTensor], files: &BTreeMap<u32, PathBuf>) -> Result<Layout> {
-        let mut opened: BTreeMap<u32, (Arc<File>, u64)> = BTreeMap::new();
+        let mut opened: BTreeMap<u32, (Arc<File>, FileStamp)> = BTreeMap::new();
         for (&idx, path) in files {
             let f = File::open(path).map_err(|e| Error::io("cannot open model file", path, e))?;
-            let len = f.metadata().map_err(|e| Error::io("cannot stat", path, e))?.len();
+            let stamp = FileStamp::of(&f).map_err(|e| Error::io("cannot stat", path, e))?;
             super::io::advise_random(&f);
-            opened.insert(idx, (Arc::new(f), len));
+            opened.insert(idx, (Arc::new(f), stamp));
         }
         let mut by_layer: BTreeMap<u32, Vec<&PagedTensor>> = BTreeMap::new();
         for t in tensors {
@@ -123,7 +126,7 @@ impl Layout {
             let mut slot_offset = 0;
             for t in ts {
                 let path = files.get(&t.file).cloned().unwrap_or_default();
-                let (file, len) = opened
+                let (file, stamp) = opened
                     .get(&t.file)
                     .cloned()
                     .ok_or_else(|| Error::invalid(format!("tensor {}: no path for model file {}", t.name, t.file)))?;
@@ -135,10 +138,10 @@ impl Layout {
                     return Err(Error::gguf(&path, format!("tensor {}: experts are not contiguous", t.name)));
                 }
                 let end = t.offset + bytes as u64 * n_expert as u64;
-                if end > len {
-                    return Err(Error::gguf(&path, format!("tensor {} runs to byte {end}, past the end of the file ({len} bytes)", t.name)));
+                if end > stamp.len {
+                    return Err(Error::gguf(&path, format!("tensor {} runs to byte {end}, past the end of the file ({} bytes)", t.name, stamp.len)));
                 }
-                parts.push(PartSpan { part: t.part, ty: t.ty, file, path, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset });
+                parts.push(PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset });
                 slot_offset += bytes;
             }
             layers.insert(layer, LayerLayout { layer, n_expert: n_expert as u32, parts, expert_bytes: slot_offset, class: 0 });

@@ -217,7 +217,9 @@ impl Pager {
         }
         let read = |span: &layout::PartSpan, buf: &mut [u8]| -> Result<()> {
             let offset = span.offset + expert as u64 * span.bytes as u64;
-            self.reader.read_exact_at(&span.file, buf, offset).map_err(|e| {
+            // The stamp is checked after the read: bytes read from a file that
+            // changed meanwhile are never published.
+            self.reader.read_exact_at(&span.file, buf, offset).and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
                 Error::io(format!("reading {:?} of expert {expert} of layer {} (offset {offset}) from", span.part, ll.layer), &span.path, e)
             })
         };

@@ -1,5 +1,6 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
+mod faults;
 mod genmodel;
 mod inspect;
 mod limit;

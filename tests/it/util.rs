@@ -45,6 +45,11 @@ pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    wait_with_timeout(child, timeout_s)
+}
+
+/// Waits for `child` and collects its output, killing it after `timeout_s`.
+pub fn wait_with_timeout(child: Child, timeout_s: u64) -> Output {
     let pid = child.id();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
@@ -55,7 +60,7 @@ pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
         Err(_) => {
             // The child moved into the waiting thread; kill it by pid.
             let _ = Command::new("kill").arg("-9").arg(pid.to_string()).status();
-            panic!("{cmd:?} did not finish within {timeout_s} s");
+            panic!("process {pid} did not finish within {timeout_s} s");
         }
     }
 }
@@ -142,3 +147,28 @@ pub fn start_server_env(args: &[&str], env: &[(&str, &str)]) -> (KillOnDrop, u16
         std::thread::sleep(Duration::from_millis(200));
     }
 }
+
+/// `v[key]` as a number (panics naming what is missing).
+pub fn u(v: &serde_json::Value, key: &str) -> u64 {
+    v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+/// A budget that leaves `tool` (run with `args`) an arena of one layer's
+/// top-k experts plus `extra` bytes over a 16 MiB reserve, from a probe run
+/// that reports what the process holds after load (the resident weights are
+/// read into memory under a budget, so this is most of the budget).
+pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64) -> String {
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let stats = scratch().join(format!("probe-{}.json", PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let o = run(
+        Command::new(bin(tool)).args(args).args(["--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]).envs(env.iter().copied()),
+        300,
+    );
+    assert!(o.status.success(), "probe {tool} {args:?}: {}", stderr(&o));
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+    let min: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&s, "top_k")).sum();
+    // 1 MiB more: anonymous RSS after load varies a little between runs.
+    (u(&s, "rss_anon_after_load_bytes") + 16 * (1 << 20) + min + (1 << 20) + extra).to_string()
+}
+

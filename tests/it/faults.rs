@@ -1,0 +1,161 @@
+//! Faults while paging: injected read faults (`SDQ_FAULT_READ`), a model file
+//! truncated or replaced under a running process, Ctrl-C during a read, and a
+//! stats file that cannot be written. Each run either gives exactly stock's
+//! output or stops with an error naming the file, layer and expert, and its
+//! output so far is a prefix of stock's: no token comes from a bad read.
+
+use crate::util::*;
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const PROMPT: &str = "The quick brown fox";
+
+/// Stock's plain CPU path, which the pager reproduces bit for bit (see
+/// pager.rs): no repacking, no tiled K-quant kernel.
+const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
+
+fn args(model: &Path, n: u32) -> Vec<String> {
+    let mut a = completion_args(model, PROMPT, n);
+    a.push("--no-repack".into());
+    a
+}
+
+/// Stock's output, and a budget that keeps the arena at one layer's top-k
+/// (plus a little), so misses and evictions never stop.
+fn stock_and_tight_budget(model: &Path, n: u32) -> (String, String) {
+    let args = args(model, n);
+    let stock = run(Command::new(bin("llama-completion")).args(&args).env(PLAIN.0, PLAIN.1), 300);
+    assert!(stock.status.success(), "{}", stderr(&stock));
+    let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+    (stdout(&stock), tight_budget("llama-completion", &refs, &[PLAIN], 0))
+}
+
+fn paged(model: &Path, n: u32, budget: &str, faults: &str) -> Command {
+    let mut c = Command::new(bin("llama-completion"));
+    c.args(args(model, n)).args(["--ram-budget", budget, "--sdq-reserve", "16M"]).env("SDQ_FAULT_READ", faults).env(PLAIN.0, PLAIN.1);
+    c
+}
+
+/// Reads 1 (the first miss), 40 (mid-prefill) and 150 (mid-decode, with the
+/// minimum arena evicting on every miss).
+const AT: [u64; 3] = [1, 40, 150];
+
+#[test]
+fn interrupted_and_short_reads_are_retried_to_stock_output() {
+    let (stock, budget) = stock_and_tight_budget(tiny(), 32);
+    for kind in ["eintr", "short"] {
+        for n in AT {
+            let o = run(&mut paged(tiny(), 32, &budget, &format!("{kind}@{n}")), 300);
+            assert!(o.status.success(), "{kind}@{n}: {}", stderr(&o));
+            assert_eq!(stdout(&o), stock, "{kind}@{n}: output differs from stock");
+        }
+    }
+    // All of them at once, and a slow disk.
+    let all: Vec<String> = AT.iter().flat_map(|n| [format!("eintr@{n}"), format!("short@{}", n + 1)]).collect();
+    let o = run(&mut paged(tiny(), 32, &budget, &(all.join(",") + ",delay=2")), 300);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(stdout(&o), stock);
+}
+
+#[test]
+fn failed_reads_stop_the_run_naming_file_layer_and_expert() {
+    let (stock, budget) = stock_and_tight_budget(tiny(), 32);
+    let model = tiny().to_str().unwrap();
+    for (kind, says) in [("eio", "injected read fault: EIO"), ("eof", "file ended after 0 of")] {
+        for n in AT {
+            let o = run(&mut paged(tiny(), 32, &budget, &format!("{kind}@{n}")), 300);
+            assert_eq!(o.status.code(), Some(1), "{kind}@{n}: {}\n{}", o.status, stderr(&o));
+            let err = stderr(&o);
+            assert!(err.contains(says) && err.contains("of expert") && err.contains("of layer") && err.contains(model), "{kind}@{n}: {err}");
+            assert!(!err.contains("panicked"), "{kind}@{n}: {err}");
+            assert!(stock.starts_with(&stdout(&o)), "{kind}@{n}: output is not a prefix of stock's:\n{}", stdout(&o));
+        }
+    }
+}
+
+#[test]
+fn a_bad_fault_plan_is_a_clear_error() {
+    let o = run(&mut paged(tiny(), 4, "1G", "boom@3"), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("SDQ_FAULT_READ: 'boom@3': unknown fault 'boom'"), "{}", stderr(&o));
+}
+
+/// A model file changed in place under a running process ends the run with
+/// an error; one replaced by a rename is harmless (the open descriptor still
+/// reads the old file) and the output stays stock's.
+#[test]
+fn a_model_file_changed_while_running() {
+    let n = 48;
+    for how in ["truncated", "replaced"] {
+        let model = scratch().join(format!("tiny-{how}.gguf"));
+        std::fs::copy(tiny(), &model).unwrap();
+        let (stock, budget) = stock_and_tight_budget(&model, n);
+        // 20 ms per read: the run lasts several seconds.
+        let mut child = paged(&model, n, &budget, "delay=20").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+        std::thread::sleep(Duration::from_millis(2500));
+        assert!(child.try_wait().unwrap().is_none(), "{how}: the run ended before the file changed");
+        if how == "truncated" {
+            let len = std::fs::metadata(&model).unwrap().len();
+            std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
+        } else {
+            let other = gen_model(&format!("tiny-other-{how}.gguf"), &["--preset", "tiny", "--seed", "9"]);
+            let tmp = scratch().join("replacement.tmp");
+            std::fs::copy(other, &tmp).unwrap();
+            std::fs::rename(&tmp, &model).unwrap();
+        }
+        let o = wait_with_timeout(child, 300);
+        let err = stderr(&o);
+        if how == "truncated" {
+            assert_eq!(o.status.code(), Some(1), "{how}: {}\n{err}", o.status);
+            assert!(err.contains(model.to_str().unwrap()) && err.contains("of layer"), "{how}: {err}");
+            assert!(err.contains("changed while it was in use") || err.contains("file ended after"), "{how}: {err}");
+            assert!(stock.starts_with(&stdout(&o)), "{how}: output is not a prefix of stock's:\n{}", stdout(&o));
+        } else {
+            assert!(o.status.success(), "{how}: {err}");
+            assert_eq!(stdout(&o), stock, "{how}: output differs from stock");
+        }
+    }
+}
+
+#[test]
+fn ctrl_c_during_a_read_exits_promptly_and_the_stats_file_is_json() {
+    let stats = scratch().join("stats-sigint.json");
+    let _ = std::fs::remove_file(&stats);
+    // 300 ms per read: the process is inside a read most of the time.
+    let mut child = paged(tiny(), 256, "1G", "delay=300")
+        .args(["--sdq-stats", stats.to_str().unwrap()])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = Instant::now();
+    while !stats.exists() {
+        assert!(start.elapsed() < Duration::from_secs(60), "no stats snapshot within 60 s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    // SAFETY: signalling our own child by its pid.
+    unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
+    let sent = Instant::now();
+    let o = wait_with_timeout(child, 30);
+    assert!(sent.elapsed() < Duration::from_secs(5), "took {:?} to exit after SIGINT", sent.elapsed());
+    assert_eq!(o.status.code(), Some(130), "{}: {}", o.status, stderr(&o));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).expect("stats file is JSON");
+    assert!(u(&s, "misses") > 0, "{s}");
+}
+
+#[test]
+fn an_unwritable_stats_file_is_a_warning_not_a_failure() {
+    let args = args(tiny(), 8);
+    let stock = run(Command::new(bin("llama-completion")).args(&args).env(PLAIN.0, PLAIN.1), 300);
+    let o = run(Command::new(bin("llama-completion")).args(&args).args(["--ram-budget", "1G", "--sdq-stats", "/dev/full"]).env(PLAIN.0, PLAIN.1), 300);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("sdq: warning: cannot write stats to /dev/full"), "{}", stderr(&o));
+    assert_eq!(stdout(&o), stdout(&stock));
+    let dir = scratch().join("no-such-dir").join("stats.json");
+    let o = run(Command::new(bin("llama-completion")).args(&args).args(["--ram-budget", "1G", "--sdq-stats", dir.to_str().unwrap()]), 300);
+    assert!(o.status.success() && stderr(&o).contains("cannot write stats"), "{}", stderr(&o));
+}
