@@ -105,10 +105,28 @@ pub fn rlimit_data() -> Option<u64> {
     rlimit(libc::RLIMIT_DATA)
 }
 
-/// `MemAvailable` from `/proc/meminfo`.
-fn mem_available() -> Option<u64> {
+/// A `/proc/meminfo` field in bytes.
+fn meminfo(field: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/meminfo").ok()?;
-    s.lines().find_map(|l| l.strip_prefix("MemAvailable:")?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * KIB)
+    s.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * KIB)
+}
+
+fn mem_available() -> Option<u64> {
+    meminfo("MemAvailable")
+}
+
+/// A budget far beyond this machine's RAM is a typo (`99999T` for `9999M`),
+/// not a plan: no swap means it can never be honoured. A quarter over
+/// `MemTotal` is allowed, for budgets written in round numbers.
+pub fn check_against_ram(budget: u64) -> Result<()> {
+    match meminfo("MemTotal") {
+        Some(total) if budget > total + total / 4 => Err(Error::invalid(format!(
+            "--ram-budget {} is more than this machine's {} of RAM; sdq never swaps, so it could not be honoured",
+            human(budget),
+            human(total)
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// `--ram-budget auto`: the tightest of this process's memory cgroup limit,

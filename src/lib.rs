@@ -22,6 +22,7 @@ pub mod limit;
 pub mod moe;
 pub mod options;
 pub mod pager;
+pub mod preflight;
 pub mod runtime;
 pub mod sys;
 pub mod tools;

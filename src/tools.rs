@@ -2,7 +2,7 @@
 //! function with upstream's argv, exit code and signal behaviour.
 
 use crate::options::{self, Options};
-use crate::{hooks, runtime};
+use crate::{hooks, preflight, runtime};
 use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
@@ -34,6 +34,52 @@ extern "C" fn finish_runtime() {
     }
 }
 
+/// The models named by `-m`/`--model` (or `LLAMA_ARG_MODEL`); llama-bench
+/// also takes a comma-separated list.
+fn model_paths(args: &[OsString]) -> Vec<std::path::PathBuf> {
+    let mut values: Vec<String> = Vec::new();
+    let mut it = args.iter().skip(1).map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = it.next() {
+        if a == "-m" || a == "--model" {
+            values.extend(it.next());
+        } else if let Some(v) = a.strip_prefix("--model=") {
+            values.push(v.to_string());
+        }
+    }
+    if values.is_empty() {
+        values.extend(std::env::var("LLAMA_ARG_MODEL").ok().filter(|v| !v.is_empty()));
+    }
+    values
+        .into_iter()
+        .flat_map(|v| {
+            if v.contains(',') && !std::path::Path::new(&v).exists() {
+                v.split(',').map(std::path::PathBuf::from).collect::<Vec<_>>()
+            } else {
+                vec![std::path::PathBuf::from(v)]
+            }
+        })
+        .collect()
+}
+
+/// Checks each model the tool is about to load under a budget (exiting with
+/// a one-line error if one is unusable). False if models were named and none
+/// has routed experts: then there is nothing to page. Tools that name no
+/// model file (downloads, a server's model directory) are let through.
+fn models_have_experts(program: &str, args: &[OsString]) -> bool {
+    let paths = model_paths(args);
+    let mut any = paths.is_empty();
+    for p in &paths {
+        match preflight::check_model(p) {
+            Ok(c) => any |= c.routed_expert_tensors > 0,
+            Err(e) => {
+                eprintln!("{program}: error: {e}");
+                std::process::exit(1);
+            }
+        }
+    }
+    any
+}
+
 /// Runs the tool behind `entry` with this process's arguments and exits with
 /// its status, as the upstream `main` would. sdq's own options are taken out
 /// first; with a RAM budget, routed experts are paged.
@@ -58,7 +104,14 @@ pub fn run(entry: Entry) -> ! {
         // SAFETY: registering a plain extern "C" function with no state.
         unsafe { libc::atexit(print_sdq_help) };
     }
-    if opts.budget.is_some() {
+    if let Some(Err(e)) = opts.budget.map(crate::budget::check_against_ram) {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    }
+    if opts.budget.is_some() && !models_have_experts(&program, &args) {
+        let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
+        eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
+    } else if opts.budget.is_some() {
         // Children (llama-server's router re-executes itself) inherit the options.
         for (k, v) in opts.to_env() {
             std::env::set_var(k, v);

@@ -272,7 +272,14 @@ fn main() -> ExitCode {
     let mut args: Vec<std::ffi::OsString> = std::env::args_os().collect();
     let takes_options = matches!(args.get(1).and_then(|a| a.to_str()), Some("eval" | "inspect"));
     let opts = if takes_options {
-        match sdq::options::Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+        let is_eval = args.get(1).is_some_and(|a| a == "eval");
+        match sdq::options::Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()).and_then(|o| {
+            // inspect may plan for any budget; a run must be able to honour it
+            match o.budget {
+                Some(b) if is_eval => sdq::budget::check_against_ram(b).map(|()| o),
+                _ => Ok(o),
+            }
+        }) {
             Ok(o) => o,
             Err(e) => {
                 eprintln!("sdq: error: {e}");

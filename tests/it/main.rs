@@ -1,5 +1,6 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
+mod badinput;
 mod faults;
 mod genmodel;
 mod inspect;

@@ -1,0 +1,95 @@
+//! What sdq checks about a model before a tool loads it under a budget:
+//! the file (and every part of a split GGUF) exists, is a GGUF that ggml's
+//! reader accepts, and holds every tensor's bytes; and whether it has routed
+//! experts to page at all. Problems become one line naming the file and what
+//! is wrong, instead of a page of loader errors or, worse, a run that pages
+//! garbage.
+
+use crate::error::{Error, Result};
+use crate::gguf::{Gguf, Value};
+use crate::pager::layout::Part;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+
+/// What the check found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelCheck {
+    /// Every file of the model (one, or each part of a split GGUF).
+    pub files: Vec<PathBuf>,
+    /// Routed-expert tensors across all files.
+    pub routed_expert_tensors: usize,
+}
+
+/// Checks the model at `path` (the first part, for a split GGUF).
+pub fn check_model(path: &Path) -> Result<ModelCheck> {
+    let first = check_file(path)?;
+    let count = match first.get("split.count") {
+        Some(v) => v.as_u64().ok_or_else(|| Error::gguf(path, "split.count is not a number"))?,
+        None => 1,
+    };
+    let mut files = vec![path.to_path_buf()];
+    let mut routed = count_routed(&first);
+    if count > 1 {
+        let prefix = split_prefix(path, count).ok_or_else(|| {
+            Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf"))
+        })?;
+        for i in 2..=count {
+            let part = PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"));
+            if !part.exists() {
+                return Err(Error::gguf(path, format!("split part {i} of {count} is missing: {}", part.display())));
+            }
+            routed += count_routed(&check_file(&part)?);
+            files.push(part);
+        }
+    }
+    Ok(ModelCheck { files, routed_expert_tensors: routed })
+}
+
+/// `PREFIX` of `PREFIX-00001-of-0000N.gguf`.
+fn split_prefix(path: &Path, count: u64) -> Option<String> {
+    let s = path.to_str()?;
+    s.strip_suffix(&format!("-00001-of-{count:05}.gguf")).map(str::to_string)
+}
+
+fn count_routed(g: &Gguf) -> usize {
+    g.tensors().iter().filter(|t| Part::from_tensor_name(&t.name).is_some()).count()
+}
+
+/// One GGUF file: readable, the right magic, accepted by ggml's reader, and
+/// long enough for every tensor it describes.
+fn check_file(path: &Path) -> Result<Gguf> {
+    let meta = std::fs::metadata(path).map_err(|e| Error::io("cannot open model", path, e))?;
+    if !meta.is_file() {
+        return Err(Error::gguf(path, "not a regular file"));
+    }
+    let mut magic = [0u8; 4];
+    let mut f = std::fs::File::open(path).map_err(|e| Error::io("cannot open model", path, e))?;
+    f.read_exact(&mut magic).map_err(|_| Error::gguf(path, format!("only {} bytes: too short for a GGUF file", meta.len())))?;
+    if &magic != b"GGUF" {
+        return Err(Error::gguf(path, format!("not a GGUF file (starts with {:?}, not \"GGUF\")", String::from_utf8_lossy(&magic))));
+    }
+    let g = Gguf::open(path)?;
+    let len = meta.len();
+    for t in g.tensors() {
+        let end = t.offset.saturating_add(t.size);
+        if end > len {
+            return Err(Error::gguf(path, format!("tensor {} runs to byte {end}, past the end of the file ({len} bytes): truncated or corrupt", t.name)));
+        }
+    }
+    if let Some(Value::Str(arch)) = g.get("general.architecture") {
+        log::debug!("{}: {arch}, {} tensors", path.display(), g.tensors().len());
+    }
+    Ok(g)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn split_names() {
+        assert_eq!(split_prefix(Path::new("/m/x-00001-of-00003.gguf"), 3).as_deref(), Some("/m/x"));
+        assert_eq!(split_prefix(Path::new("/m/x-00002-of-00003.gguf"), 3), None);
+        assert_eq!(split_prefix(Path::new("/m/x.gguf"), 3), None);
+    }
+}
