@@ -5,6 +5,7 @@ mod faults;
 mod genmodel;
 mod inspect;
 mod limit;
+mod load;
 mod pager;
 mod tools;
 mod util;

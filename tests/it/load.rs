@@ -1,0 +1,125 @@
+//! Concurrency and load: llama-server with `--parallel 4` in a budget so
+//! tight that eviction never stops, driven by 16 concurrent clients on
+//! loopback. Every response must be one stock gives (alone or batched), every request
+//! must finish within its timeout, and over a 1,000-request soak the server's
+//! anonymous RSS and open file descriptors must stay flat.
+
+use crate::util::*;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// Stock's plain CPU path, which the pager reproduces bit for bit.
+const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
+const CLIENTS: usize = 16;
+
+fn rss_anon(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines().find_map(|l| l.strip_prefix("RssAnon:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).unwrap() * 1024
+}
+
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
+}
+
+fn complete(port: u16, prompt: &str, n: u32) -> String {
+    let body = format!(r#"{{"prompt":"{prompt}","n_predict":{n},"temperature":0,"cache_prompt":false}}"#);
+    let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("request within its timeout");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["content"].as_str().unwrap().to_string()
+}
+
+/// `prompts` sent by `clients` threads at once; responses in prompt order.
+fn drive(port: u16, prompts: &[String], n: u32, clients: usize) -> Vec<String> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let out = std::sync::Mutex::new(vec![String::new(); prompts.len()]);
+    std::thread::scope(|s| {
+        for _ in 0..clients {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= prompts.len() {
+                    break;
+                }
+                let r = complete(port, &prompts[i], n);
+                out.lock().unwrap()[i] = r;
+            });
+        }
+    });
+    out.into_inner().unwrap()
+}
+
+fn prompts(count: usize) -> Vec<String> {
+    let words = ["river", "lamp", "harbour", "apple", "letter", "stone", "garden", "bridge", "winter", "engine", "market", "violin"];
+    (0..count).map(|i| format!("The {} and the {} near the {}", words[i % 12], words[(i / 12) % 12], words[(i * 7) % 12])).collect()
+}
+
+#[test]
+fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat() {
+    let model = tiny().to_str().unwrap();
+    let common = ["-m", model, "-c", "2048", "-np", "4", "-t", "2", "--no-warmup", "--no-repack", "--cache-ram", "0"];
+
+    // What the server holds after load, from its own stats snapshot.
+    let probe_stats = scratch().join("stats-server-probe.json");
+    let _ = std::fs::remove_file(&probe_stats);
+    let held = {
+        let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", "2G", "--sdq-stats", probe_stats.to_str().unwrap()]].concat(), &[PLAIN]);
+        complete(port, "Hello", 2);
+        let start = Instant::now();
+        while !probe_stats.exists() {
+            assert!(start.elapsed() < Duration::from_secs(30), "no stats snapshot from the server");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+        let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+        let min: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&s, "top_k")).sum();
+        u(&s, "rss_anon_after_load_bytes") + min
+    };
+    // The minimum arena plus 2 MiB (anonymous RSS after load varies a little):
+    // 4 slots decoding at once keep evicting. The reserve covers what the
+    // server allocates after load for 16 connections (measured: about 20 MiB).
+    let budget = (held + 64 * (1 << 20) + 2 * (1 << 20)).to_string();
+
+    // Stock's own greedy answer to a prompt can depend on what it was
+    // batched with (a near-tie flips with the order of a reduction): the
+    // reference for each prompt is every answer stock gave it, alone and in
+    // two concurrent runs.
+    let first = prompts(64);
+    let stock: Vec<Vec<String>> = [(1, "alone"), (CLIENTS, "concurrent"), (CLIENTS, "concurrent again")]
+        .iter()
+        .map(|&(clients, _)| {
+            let (_server, port) = start_server_env(&common, &[PLAIN]);
+            drive(port, &first, 12, clients)
+        })
+        .collect();
+    let varied = (0..first.len()).filter(|&i| stock.iter().any(|r| r[i] != stock[0][i])).count();
+    eprintln!("stock's answer varied with batching for {varied} of {} prompts", first.len());
+    assert!(varied * 8 < first.len(), "stock too unstable to compare against: {varied} prompts varied");
+    let stats = scratch().join("stats-server-soak.json");
+    let (server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
+    let pid = server.0.id();
+    let paged = drive(port, &first, 12, CLIENTS);
+    for (i, answer) in paged.iter().enumerate() {
+        assert!(stock.iter().any(|r| &r[i] == answer), "prompt {i} {:?}: {answer:?} is none of stock's answers {:?}", first[i], stock.iter().map(|r| &r[i]).collect::<Vec<_>>());
+    }
+
+    // The soak: 1,000 requests in all, RSS and descriptors after the first
+    // 100 against the end.
+    let soak = prompts(936);
+    drive(port, &soak[..36], 4, CLIENTS);
+    let (rss_before, fds_before) = (rss_anon(pid), open_fds(pid));
+    let started = Instant::now();
+    drive(port, &soak[36..], 4, CLIENTS);
+    let (rss_after, fds_after) = (rss_anon(pid), open_fds(pid));
+    let drift = rss_after as i64 - rss_before as i64;
+    eprintln!(
+        "soak: 900 requests in {:.1} s; RssAnon {} -> {} bytes (drift {drift}); fds {fds_before} -> {fds_after}",
+        started.elapsed().as_secs_f64(),
+        rss_before,
+        rss_after
+    );
+    assert!(drift.abs() < 8 << 20, "anonymous RSS drifted by {drift} bytes over 900 requests");
+    assert!(fds_after <= fds_before + 2, "file descriptors grew from {fds_before} to {fds_after}");
+    assert!(rss_after <= budget.parse::<u64>().unwrap(), "RssAnon {rss_after} over the budget {budget}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(u(&s, "misses") > u(&s, "hits") / 4, "the arena was not under pressure: {s}");
+}
