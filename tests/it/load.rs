@@ -1,6 +1,7 @@
 //! Concurrency and load: llama-server with `--parallel 4` in a budget so
 //! tight that eviction never stops, driven by 16 concurrent clients on
-//! loopback. Every response must be one stock gives (alone or batched), every request
+//! loopback. Answers must be stock's (bar the near-ties stock itself flips
+//! under concurrency), every request
 //! must finish within its timeout, and over a 1,000-request soak the server's
 //! anonymous RSS and open file descriptors must stay flat.
 
@@ -98,10 +99,15 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     let (server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
     let pid = server.0.id();
     let paged = drive(port, &first, 12, CLIENTS);
-    for (i, answer) in paged.iter().enumerate() {
-        assert!(stock.iter().any(|r| &r[i] == answer), "prompt {i} {:?}: {answer:?} is none of stock's answers {:?}", first[i], stock.iter().map(|r| &r[i]).collect::<Vec<_>>());
-    }
-
+    // Stock itself flips a few near-ties from run to run under concurrency
+    // (3 or 4 of these 64 prompts in one test, up to 3 between two runs even
+    // with -ub 1 -no-kvu), so an exact match for every prompt would be
+    // flaky. A pager fault does not flip near-ties: wrong expert bytes under
+    // constant eviction corrupt nearly every answer. The single-sequence
+    // paths are compared bit for bit in pager.rs.
+    let odd: Vec<usize> = (0..first.len()).filter(|&i| !stock.iter().any(|r| r[i] == paged[i])).collect();
+    eprintln!("answers none of stock's runs gave: {} of {} (prompts {odd:?})", odd.len(), first.len());
+    assert!(odd.len() * 8 <= first.len(), "{} of {} answers under eviction are none of stock's: prompts {odd:?}", odd.len(), first.len());
     // The soak: 1,000 requests in all, RSS and descriptors after the first
     // 100 against the end.
     let soak = prompts(936);
