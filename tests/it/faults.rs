@@ -12,9 +12,6 @@ use std::time::{Duration, Instant};
 
 const PROMPT: &str = "The quick brown fox";
 
-/// Stock's plain CPU path, which the pager reproduces bit for bit (see
-/// pager.rs): no repacking, no tiled K-quant kernel.
-const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
 
 fn args(model: &Path, n: u32) -> Vec<String> {
     let mut a = completion_args(model, PROMPT, n);

@@ -9,8 +9,6 @@ use crate::util::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
-/// Stock's plain CPU path, which the pager reproduces bit for bit.
-const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
 const CLIENTS: usize = 16;
 
 fn rss_anon(pid: u32) -> u64 {

@@ -17,10 +17,6 @@ struct Eval {
     stats: Option<Value>,
 }
 
-/// Stock's plain CPU path, the one the pager reproduces bit for bit: no
-/// repacked weights (`--no-repack`) and no tiled K-quant kernel, which stock
-/// takes per expert once 8 or more rows of a batch reach it.
-const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
 
 fn eval(model: &Path, tag: &str, args: &[&str]) -> Eval {
     eval_env(model, tag, args, &[])

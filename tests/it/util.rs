@@ -172,3 +172,8 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
     (u(&s, "rss_anon_after_load_bytes") + 16 * (1 << 20) + min + (1 << 20) + extra).to_string()
 }
 
+
+/// Stock's plain CPU path, the one the pager reproduces bit for bit: no
+/// repacked weights (`--no-repack`) and no tiled K-quant kernel, which stock
+/// takes per expert once 8 or more rows of a batch reach it.
+pub const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
