@@ -16,6 +16,7 @@ pub mod eval;
 pub mod genmodel;
 pub mod ggml;
 pub mod gguf;
+pub mod growth;
 pub mod hooks;
 pub mod inspect;
 pub mod limit;

@@ -2,7 +2,7 @@
 //! function with upstream's argv, exit code and signal behaviour.
 
 use crate::options::{self, Options};
-use crate::{hooks, preflight, runtime};
+use crate::{growth, hooks, preflight, runtime};
 use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
@@ -80,6 +80,37 @@ fn models_have_experts(program: &str, args: &[OsString]) -> bool {
     any
 }
 
+/// Fits the tool's growth after load (prompt cache, context checkpoints) into
+/// the reserve: sets upstream's variables for what the user left alone and
+/// raises the reserve for what they asked for (see `growth`).
+fn fit_growth(program: &str, args: &[OsString], budget: u64, opts: &mut Options) {
+    let fail = |e: crate::error::Error| -> ! {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    };
+    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let settings = growth::ToolSettings::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| fail(e));
+    let checkpoint = model_paths(args).first().and_then(|p| crate::gguf::Gguf::open(p).ok()).map_or(0, |g| growth::checkpoint_bytes(&g));
+    let reserve = opts.reserve.unwrap_or_else(|| crate::budget::default_reserve(budget));
+    let plan = growth::plan(&settings, reserve, checkpoint).unwrap_or_else(|e| fail(e));
+    for (k, v) in &plan.env {
+        std::env::set_var(k, v);
+    }
+    if let Some(n) = &plan.notice {
+        eprintln!("sdq: notice: {n}");
+    }
+    if plan.reserve != reserve {
+        opts.reserve = Some(plan.reserve);
+    }
+}
+
+/// llama-server and llama-cli keep a prompt cache and checkpoints; the other
+/// tools ignore the variables.
+fn tool_has_prompt_cache(program: &str) -> bool {
+    let name = std::path::Path::new(program).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    name.starts_with("llama-server") || name.starts_with("llama-cli")
+}
+
 /// Runs the tool behind `entry` with this process's arguments and exits with
 /// its status, as the upstream `main` would. sdq's own options are taken out
 /// first; with a RAM budget, routed experts are paged.
@@ -92,7 +123,7 @@ pub fn run(entry: Entry) -> ! {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).format_target(false).init();
     let program = std::env::args_os().next().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
     let mut args: Vec<OsString> = std::env::args_os().collect();
-    let opts = match Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+    let mut opts = match Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
         Ok(o) => o,
         Err(e) => {
             eprintln!("{program}: error: {e}");
@@ -111,7 +142,10 @@ pub fn run(entry: Entry) -> ! {
     if opts.budget.is_some() && !models_have_experts(&program, &args) {
         let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
         eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
-    } else if opts.budget.is_some() {
+    } else if let Some(budget) = opts.budget {
+        if tool_has_prompt_cache(&program) {
+            fit_growth(&program, &args, budget, &mut opts);
+        }
         // Children (llama-server's router re-executes itself) inherit the options.
         for (k, v) in opts.to_env() {
             std::env::set_var(k, v);

@@ -46,6 +46,28 @@ fn broken_model_files_are_one_clear_line() {
 }
 
 #[test]
+fn an_unreadable_model_file_is_named() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    let model = scratch().join("unreadable.gguf");
+    std::fs::copy(tiny(), &model).unwrap();
+    std::fs::set_permissions(&model, std::fs::Permissions::from_mode(0o000)).unwrap();
+    let mut c = Command::new(bin("llama-completion"));
+    c.args(completion_args(&model, "Hello", 4)).args(["--ram-budget", "1G"]);
+    // Root reads any file, so as root the tool runs as nobody.
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        c.uid(65534).gid(65534);
+    }
+    let o = run(&mut c, 120);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{}\n{err}", o.status);
+    let last = err.lines().last().unwrap_or("");
+    assert!(last.contains(model.to_str().unwrap()) && last.contains("Permission denied"), "{err}");
+    assert!(!err.contains("panicked") && stdout(&o).is_empty(), "{err}");
+}
+
+#[test]
 fn a_split_model_with_a_part_missing_is_named() {
     let mut b = GgufBuilder::new(0);
     b.set("general.architecture", &Value::Str("qwen35moe".into()));

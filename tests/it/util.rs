@@ -124,14 +124,20 @@ pub fn start_server(args: &[&str]) -> (KillOnDrop, u16) {
 
 /// As `start_server`, with extra environment variables.
 pub fn start_server_env(args: &[&str], env: &[(&str, &str)]) -> (KillOnDrop, u16) {
+    start_server_logged(args, env, None)
+}
+
+/// As `start_server_env`, with the server's stderr written to `log`.
+pub fn start_server_logged(args: &[&str], env: &[(&str, &str)], log: Option<&Path>) -> (KillOnDrop, u16) {
     let port = free_port();
+    let stderr = log.map_or_else(Stdio::null, |p| Stdio::from(std::fs::File::create(p).unwrap()));
     let child = Command::new(bin("llama-server"))
         .args(["--host", "127.0.0.1", "--port", &port.to_string()])
         .args(args)
         .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let mut server = KillOnDrop(child);
