@@ -36,14 +36,19 @@ fn main() {
     for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin"] {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }
-    for var in ["SDQ_GGML_NATIVE", "SDQ_CMAKE_JOBS"] {
+    for var in ["SDQ_GGML_NATIVE", "SDQ_CMAKE_JOBS", "SDQ_LLAMA_BUILD_DIR", "CFLAGS", "CXXFLAGS"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
     let pin = Pin::read(&root.join("vendor/llama.cpp.pin"));
     let vendor = ensure_vendor(&root, &pin);
-    let src = stage_patched_tree(&root, &vendor, &out);
-    let build_dir = cmake_build(&root, &src, &pin);
+    // SDQ_LLAMA_BUILD_DIR shares one patched tree and cmake build between
+    // target directories (the fuzz crate's, the tests'): the cmake flags do
+    // not depend on the Cargo profile, so a second build finds it done.
+    let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| out.clone(), PathBuf::from);
+    fs::create_dir_all(&work).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", work.display())));
+    let src = stage_patched_tree(&root, &vendor, &work);
+    let build_dir = cmake_build(&root, &src, &pin, &work);
     compile_shims(&root);
     generate_bindings(&root, &src, &out);
     link(&build_dir);
@@ -178,9 +183,13 @@ fn sync_tree(from: &Path, to: &Path) {
 
 /// Configures and builds the wrapper project (shim/CMakeLists.txt) over the
 /// patched tree; returns the cmake build directory.
-fn cmake_build(root: &Path, src: &Path, pin: &Pin) -> PathBuf {
+fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path) -> PathBuf {
     let native = env::var("SDQ_GGML_NATIVE").map(|v| v != "0" && v != "OFF").unwrap_or(true);
     let mut cfg = cmake::Config::new(root.join("shim"));
+    // No flags derived from the Cargo profile (debug info, opt-level): CMake's
+    // Release flags plus CFLAGS/CXXFLAGS from the environment (the sanitizer
+    // script's), the same for every profile and target directory.
+    cfg.out_dir(work).no_default_flags(true).define("CMAKE_POSITION_INDEPENDENT_CODE", "ON");
     // Always Release: ggml checks get_alloc_size >= nbytes with a plain assert,
     // and sdq's 4 KiB expert buffers rely on NDEBUG compiling it out.
     cfg.profile("Release")
@@ -265,6 +274,10 @@ fn link(build_dir: &Path) {
     for lib in ["stdc++", "m", "pthread", "dl"] {
         println!("cargo:rustc-link-arg=-l{lib}");
     }
+    // Link arguments reach only this package's own targets; a dependent
+    // (the fuzz crate) reads the archives from DEP_SDQ_LLAMA_ARCHIVES.
+    let list: Vec<String> = archives.iter().map(|a| a.display().to_string()).collect();
+    println!("cargo:archives={}", list.join(";"));
 }
 
 fn find_archives(dir: &Path, out: &mut Vec<PathBuf>) {
