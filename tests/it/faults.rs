@@ -89,9 +89,22 @@ fn a_model_file_changed_while_running() {
         let model = scratch().join(format!("tiny-{how}.gguf"));
         std::fs::copy(tiny(), &model).unwrap();
         let (stock, budget) = stock_and_tight_budget(&model, n);
-        // 20 ms per read: the run lasts several seconds.
-        let mut child = paged(&model, n, &budget, "delay=20").stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
-        std::thread::sleep(Duration::from_millis(2500));
+        // 20 ms per read: the run lasts several seconds. The file changes
+        // 1.5 s after the first stats snapshot, which comes once paging has
+        // started (the load, which must not see the change, is over).
+        let stats = scratch().join(format!("stats-{how}.json"));
+        let _ = std::fs::remove_file(&stats);
+        let mut child = paged(&model, n, &budget, "delay=20")
+            .args(["--sdq-stats", stats.to_str().unwrap()])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = Instant::now();
+        while !stats.exists() && start.elapsed() < Duration::from_secs(120) {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        std::thread::sleep(Duration::from_millis(1500));
         assert!(child.try_wait().unwrap().is_none(), "{how}: the run ended before the file changed");
         if how == "truncated" {
             let len = std::fs::metadata(&model).unwrap().len();

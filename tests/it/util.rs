@@ -183,3 +183,15 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
 /// repacked weights (`--no-repack`) and no tiled K-quant kernel, which stock
 /// takes per expert once 8 or more rows of a batch reach it.
 pub const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
+
+/// True when the suite runs under scripts/sanitize (AddressSanitizer).
+pub fn sanitized() -> bool {
+    std::env::var_os("SDQ_TEST_SANITIZED").is_some()
+}
+
+/// `mib` MiB as a budget string, plus, under AddressSanitizer, the 128 MiB of
+/// shadow memory and quarantine it adds to a process (scripts/sanitize caps
+/// the quarantine), which no budget written for the plain build allows for.
+pub fn budget_mib(mib: u64) -> String {
+    ((mib + if sanitized() { 128 } else { 0 }) << 20).to_string()
+}
