@@ -21,7 +21,11 @@ fn archives(dir: &Path, out: &mut Vec<(PathBuf, SystemTime)>) {
 #[test]
 fn touching_a_rust_source_does_not_rebuild_llama_cpp() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let build_dir = Path::new(env!("CARGO_BIN_EXE_sdq")).parent().unwrap().join("build");
+    // scripts/test shares the llama.cpp build through SDQ_LLAMA_BUILD_DIR.
+    let build_dir = match std::env::var_os("SDQ_LLAMA_BUILD_DIR") {
+        Some(d) => PathBuf::from(d),
+        None => Path::new(env!("CARGO_BIN_EXE_sdq")).parent().unwrap().join("build"),
+    };
     let mut before = Vec::new();
     archives(&build_dir, &mut before);
     assert!(before.iter().any(|(p, _)| p.ends_with("libllama.a")), "no libllama.a under {}", build_dir.display());
