@@ -11,6 +11,7 @@
 pub mod backend;
 pub mod budget;
 pub mod demo;
+pub mod diskbench;
 pub mod error;
 pub mod eval;
 pub mod genmodel;

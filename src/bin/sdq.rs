@@ -29,6 +29,53 @@ enum Command {
     /// Greedy decoding through llama.h, printing tokens and text as JSON and
     /// optionally the final logits (to compare a budgeted run with stock).
     Eval(EvalArgs),
+    /// Measure the disk under a file as the pager reads it: random reads of
+    /// expert-sized blocks at queue depths, buffered and O_DIRECT, and one
+    /// sequential stream (JSON lines; scripts/bench-disk tabulates them).
+    BenchDisk(BenchDiskArgs),
+}
+
+#[derive(clap::Args)]
+struct BenchDiskArgs {
+    /// A large file on the disk to measure (the model).
+    file: PathBuf,
+    /// Read sizes.
+    #[arg(long, value_delimiter = ',', default_value = "512K,1M,2M")]
+    sizes: Vec<String>,
+    /// Reads in flight (one thread each).
+    #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16,32")]
+    depths: Vec<usize>,
+    /// Modes: buffered, direct, sequential.
+    #[arg(long, value_delimiter = ',', default_value = "sequential,buffered,direct")]
+    modes: Vec<String>,
+    /// Seconds per measurement.
+    #[arg(long, default_value_t = 2.0)]
+    seconds: f64,
+}
+
+fn bench_disk(a: BenchDiskArgs) -> sdq::Result<()> {
+    use sdq::diskbench::{measure, Mode};
+    let sizes = a
+        .sizes
+        .iter()
+        .map(|s| sdq::budget::parse_size(s).map(|n| n as usize).map_err(|e| sdq::Error::invalid(format!("--sizes: {e}"))))
+        .collect::<sdq::Result<Vec<_>>>()?;
+    for m in &a.modes {
+        let mode = match m.as_str() {
+            "buffered" => Mode::Buffered,
+            "direct" => Mode::Direct,
+            "sequential" => Mode::Sequential,
+            other => return Err(sdq::Error::invalid(format!("--modes: unknown mode '{other}' (buffered, direct, sequential)"))),
+        };
+        let depths: &[usize] = if mode == Mode::Sequential { &[1] } else { &a.depths };
+        for &size in &sizes {
+            for &depth in depths {
+                let r = measure(&a.file, mode, size, depth, std::time::Duration::from_secs_f64(a.seconds))?;
+                println!("{r}");
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -300,6 +347,7 @@ fn main() -> ExitCode {
         Command::Eval(a) => eval(a),
         Command::Demo(a) => demo(a),
         Command::Inspect(a) => inspect(a, &opts),
+        Command::BenchDisk(a) => bench_disk(a),
         Command::Limit(a) => match limit(a) {
             Ok(code) => return code,
             Err(e) => Err(e),
