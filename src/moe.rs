@@ -4,22 +4,30 @@
 //! weight's `vec_dot_type`, then one `vec_dot` per output value), so results
 //! match that path bit for bit; the weights come from pinned arena slots.
 //!
-//! Work is split by expert: thread `ith` takes every `nth`-th expert the batch
-//! uses, pins it, computes all of its tokens and releases it at once. Each
-//! output value belongs to one (token, slot) pair, so threads never write the
-//! same memory and no reduction is needed; the router-weighted sum is
-//! llama.cpp's own ops, in its own order.
+//! Work is split by expert, claimed dynamically: each of ggml's threads takes
+//! the next expert nobody has taken, preferring one already in the arena,
+//! pins it, computes all of its tokens and releases it at once. In a layer's
+//! first matmul the first thread to arrive hands all of the batch's misses to
+//! the pager's readers at once (`Pager::prepare`), so they are read in
+//! parallel while resident experts are computed, and each missing expert is
+//! computed as soon as it is read. Each output value belongs to one (token,
+//! slot) pair, so threads never write the same memory and no reduction is
+//! needed: which thread computes an expert, and when, does not change a bit
+//! of the result. The router-weighted sum is llama.cpp's own ops, in its own
+//! order.
 //!
 //! This is an FFI entry point (ggml calls it on its worker threads): tensor
 //! access here is raw, with each block's invariant stated.
 
 use crate::ggml::DotKernels;
 use crate::pager::layout::Part;
+use crate::pager::{Count, Pager};
 use crate::runtime::{self, fatal};
 use crate::sys;
 use std::cell::RefCell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_void};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// What one paged matmul needs, fixed when the graph is built (graphs are
 /// reused, so this lives as long as the process).
@@ -31,6 +39,26 @@ pub struct PagedMatmul {
     pub kernels: DotKernels,
     /// True for the first paged layer's down projection: it counts tokens.
     pub counts_tokens: bool,
+}
+
+/// The (slot k, token t) pairs one expert serves.
+type Uses = Vec<(i64, i64)>;
+
+/// One call of a paged matmul (one graph node, all of ggml's threads): the
+/// batch's experts and which are taken. The first thread to arrive creates it,
+/// the last to leave removes it; ggml does not start the node again before
+/// every thread has left it.
+struct Call {
+    experts: Vec<(i32, Arc<Uses>)>,
+    taken: Vec<bool>,
+    /// Misses `prepare` found no slot for: their acquire reads them.
+    deferred: HashSet<u32>,
+    left: usize,
+}
+
+fn calls() -> &'static Mutex<HashMap<usize, Call>> {
+    static CALLS: OnceLock<Mutex<HashMap<usize, Call>>> = OnceLock::new();
+    CALLS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
 thread_local! {
@@ -77,31 +105,17 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
         rt.count_tokens(n_tokens as u64);
     }
 
-    // Which (slot k, token t) pairs each expert serves, experts in ascending order.
-    let mut by_expert: BTreeMap<i32, Vec<(i64, i64)>> = BTreeMap::new();
-    for t in 0..n_tokens {
-        for k in 0..n_used {
-            // SAFETY: k < ne0 and t < ne1 of ids.
-            let e = unsafe { expert_id(ids, k, t) };
-            by_expert.entry(e).or_default().push((k, t));
-        }
-    }
-
     let kernels = &op.kernels;
     let act_bytes = kernels.activation_row_bytes(cols as usize);
+    let key = dst as *const sys::ggml_tensor as usize;
     ACTIVATION.with_borrow_mut(|act| {
         act.resize(act_bytes, 0);
-        for (_, (&e, uses)) in by_expert.iter().enumerate().filter(|(i, _)| i % nth == ith) {
-            if e < 0 {
-                fatal(&format!("{}: router selected expert {e}", op.name));
-            }
-            // ggml runs a layer's gate (or fused gate_up) matmul first: it is
-            // SwiGLU's first source. That acquire counts the use.
-            let first = matches!(op.part, Part::Gate | Part::GateUp);
-            let expert = pager.acquire(op.layer, e as u32, first).unwrap_or_else(|err| fatal(&err.to_string()));
+        // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call.
+        while let Some((e, uses, count)) = unsafe { next_expert(key, nth, op, ids, pager) } {
+            let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
             let weights = expert.part(op.part);
             let row_bytes = weights.len() / rows as usize;
-            for &(k, t) in uses {
+            for &(k, t) in uses.iter() {
                 // SAFETY: b is F32 [cols, b.ne1, n_tokens] with contiguous rows
                 // (checked when the op was built); k % ne1 and t are in range.
                 let b_row = unsafe {
@@ -122,4 +136,54 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
             drop(expert); // release the slot as soon as this expert is done
         }
     });
+}
+
+/// The next expert of call `key` for this thread to compute, with its uses
+/// and how its acquire counts; None when every expert is taken (and this
+/// thread leaves the call).
+///
+/// # Safety
+/// `ids` must be this call's valid I32 routing tensor.
+unsafe fn next_expert(key: usize, nth: usize, op: &PagedMatmul, ids: &sys::ggml_tensor, pager: &Pager) -> Option<(u32, Arc<Uses>, Count)> {
+    let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+    let call = calls.entry(key).or_insert_with(|| {
+        let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
+        for t in 0..ids.ne[1] {
+            for k in 0..ids.ne[0] {
+                // SAFETY: k < ne0 and t < ne1 of ids (this function's contract).
+                let e = unsafe { expert_id(ids, k, t) };
+                by_expert.entry(e).or_default().push((k, t));
+            }
+        }
+        if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0 || e as u64 >= u32::MAX as u64) {
+            fatal(&format!("{}: router selected expert {e}", op.name));
+        }
+        // ggml runs a layer's gate (or fused gate_up) matmul first: it is
+        // SwiGLU's first source, and it starts the batch's reads.
+        let deferred = if matches!(op.part, Part::Gate | Part::GateUp) {
+            let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
+            pager.prepare(op.layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect()
+        } else {
+            HashSet::new()
+        };
+        let experts: Vec<(i32, Arc<Uses>)> = by_expert.into_iter().map(|(e, u)| (e, Arc::new(u))).collect();
+        Call { taken: vec![false; experts.len()], experts, deferred, left: 0 }
+    });
+    let open = || (0..call.experts.len()).filter(|&i| !call.taken[i]);
+    let pick = pager.first_ready(op.layer, open().map(|i| (i, call.experts[i].0 as u32))).or_else(|| open().next());
+    match pick {
+        Some(i) => {
+            call.taken[i] = true;
+            let e = call.experts[i].0 as u32;
+            let count = if call.deferred.contains(&e) { Count::Nothing } else { Count::Later };
+            Some((e, Arc::clone(&call.experts[i].1), count))
+        }
+        None => {
+            call.left += 1;
+            if call.left == nth {
+                calls.remove(&key);
+            }
+            None
+        }
+    }
 }

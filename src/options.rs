@@ -16,6 +16,8 @@ pub struct Options {
     pub stats_file: Option<PathBuf>,
     /// Faults to inject into expert reads (`SDQ_FAULT_READ`, for tests).
     pub faults: crate::pager::io::FaultPlan,
+    /// Reader threads (`SDQ_READERS`: expert parts read at once).
+    pub readers: Option<usize>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -31,6 +33,7 @@ pub const HELP: &str = "\
 --sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
+SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 ";
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
@@ -65,6 +68,12 @@ impl Options {
         }
         if let Some(v) = env("SDQ_RESERVE_MB").filter(|v| !v.is_empty()) {
             o.reserve = Some(mib_of("SDQ_RESERVE_MB", &v)?);
+        }
+        if let Some(v) = env("SDQ_READERS").filter(|v| !v.is_empty()) {
+            o.readers = Some(match v.trim().parse::<usize>() {
+                Ok(n) if (1..=64).contains(&n) => n,
+                _ => return Err(Error::invalid(format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
+            });
         }
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
@@ -173,7 +182,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), faults: Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

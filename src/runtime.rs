@@ -201,7 +201,8 @@ impl Runtime {
             human(layout.total_expert_bytes()),
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()))?;
+        let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers)?;
         Ok((pager, plan))
     }
 
@@ -345,6 +346,13 @@ impl Runtime {
             o.insert("bytes_read".into(), json!(c.bytes_read));
             o.insert("reads".into(), json!(c.reads));
             o.insert("read_seconds".into(), json!(c.read_seconds));
+            o.insert("miss_batches".into(), json!(c.miss_batches));
+            o.insert("miss_batch_bytes".into(), json!(c.miss_batch_bytes));
+            o.insert("miss_batch_seconds".into(), json!(c.miss_batch_seconds));
+            o.insert(
+                "miss_batch_mib_per_s".into(),
+                json!(if c.miss_batch_seconds > 0.0 { c.miss_batch_bytes as f64 / budget::MIB as f64 / c.miss_batch_seconds } else { 0.0 }),
+            );
             o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
             o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));
         }

@@ -137,6 +137,22 @@ impl Arena {
         // SAFETY: off+len lies inside the live mapping; exclusivity is the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off), len) }
     }
+
+    /// Bytes `range` of slot `id`, for filling one part while other parts of
+    /// the same slot are filled by other threads.
+    ///
+    /// # Safety
+    /// The caller must have exclusive access to these bytes while the slice
+    /// lives: the slot is being loaded (pinned, unpublished) and no other
+    /// reader was given an overlapping range.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn slot_range_mut(&self, id: SlotId, range: std::ops::Range<usize>) -> &mut [u8] {
+        let (off, len) = self.span(id);
+        assert!(range.start <= range.end && range.end <= len, "range {range:?} outside slot {id} of {len} bytes");
+        // SAFETY: the range lies inside the slot, inside the live mapping;
+        // exclusivity of these bytes is the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.base.as_ptr().add(off + range.start), range.len()) }
+    }
 }
 
 impl Drop for Arena {

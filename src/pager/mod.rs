@@ -1,6 +1,8 @@
 //! The pager: `acquire(layer, expert)` returns the expert's bytes pinned in an
 //! arena slot, reading them from the model file on a miss; dropping the pin
-//! releases it.
+//! releases it. `prepare(layer, experts)` starts a batch's misses all at once,
+//! as soon as the router has chosen, so they are read in parallel (a pool of
+//! reader threads, one read per part) while resident experts are computed.
 //!
 //! Invariants (checked by the tests and asserted where cheap):
 //! - a key is in `table` only while its slot holds exactly that expert's bytes
@@ -8,7 +10,7 @@
 //! - a slot being filled is pinned by its loader, so it is never chosen as a
 //!   victim, and nobody else reads or writes it;
 //! - a failed read removes the key and frees the slot: stale bytes are never
-//!   published, and a later acquire reads again.
+//!   published; the error is kept, and every acquire of that expert returns it.
 
 pub mod arena;
 pub mod io;
@@ -20,7 +22,8 @@ use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
 use policy::Lru;
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex, MutexGuard};
+use std::collections::{HashSet, VecDeque};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
 /// (layer, expert)
@@ -31,6 +34,16 @@ struct Slot {
     key: Option<ExpertKey>,
     pins: u32,
     ready: bool,
+    /// Parts still being read (while loading).
+    parts_left: u32,
+    /// A part failed to read (while loading).
+    failed: bool,
+    /// When the load was submitted.
+    started: Option<Instant>,
+    /// The `prepare` batch this load belongs to.
+    batch: Option<u64>,
+    /// The acquire that started the load takes over its pin when it is read.
+    keep_pin: bool,
 }
 
 /// Counts of one layer. A *use* is one expert needed by one batch: its first
@@ -52,6 +65,13 @@ struct State {
     counts: HashMap<u32, LayerCounts>,
     bytes_read: u64,
     read_ns: u64,
+    /// The first error of each expert whose read failed.
+    errors: HashMap<ExpertKey, String>,
+    /// Batches of misses `prepare` submitted: (bytes, parts left, started), by id.
+    batches: HashMap<u64, (u64, u32, Instant)>,
+    next_batch: u64,
+    /// Completed batches: count, bytes, and wall time from submission to the last byte.
+    batch_totals: (u64, u64, u64),
 }
 
 /// Figures the pager has gathered so far.
@@ -61,14 +81,48 @@ pub struct PagerCounts {
     pub bytes_read: u64,
     pub read_seconds: f64,
     pub reads: u64,
+    /// Batches of misses read in parallel (`prepare`), their bytes, and their
+    /// wall time from submission to the last byte.
+    pub miss_batches: u64,
+    pub miss_batch_bytes: u64,
+    pub miss_batch_seconds: f64,
 }
 
-pub struct Pager {
+/// Readers in the pool when `SDQ_READERS` does not say.
+pub const DEFAULT_READERS: usize = 8;
+
+/// What an acquire counts for the layer's figures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// The first acquire of a use: a hit or a miss.
+    Use,
+    /// A later acquire of a use (or one `prepare` counted): a read is a reread.
+    Later,
+    /// Counted already (`prepare` counted the miss and left the read to this acquire).
+    Nothing,
+}
+
+/// One part of one expert to read into a slot.
+struct Job {
+    slot: SlotId,
+    layer: u32,
+    expert: u32,
+    part: usize,
+}
+
+struct Shared {
     layout: Layout,
     arena: Arena,
     reader: io::ExpertReader,
     state: Mutex<State>,
     changed: Condvar,
+    queue: Mutex<(VecDeque<Job>, bool)>,
+    queued: Condvar,
+}
+
+pub struct Pager {
+    shared: Arc<Shared>,
+    readers: Vec<std::thread::JoinHandle<()>>,
 }
 
 /// An expert's bytes, pinned in its slot until dropped.
@@ -84,20 +138,21 @@ impl PinnedExpert<'_> {
         let span = self.layer.part(part).unwrap_or_else(|| panic!("layer {} has no {part:?} part", self.layer.layer));
         // SAFETY: the slot is pinned and published (ready), so no one writes
         // it until this pin is dropped, which outlives the returned slice.
-        let bytes = unsafe { self.pager.arena.slot(self.slot) };
+        let bytes = unsafe { self.pager.shared.arena.slot(self.slot) };
         &bytes[span.slot_offset..span.slot_offset + span.bytes]
     }
 }
 
 impl Drop for PinnedExpert<'_> {
     fn drop(&mut self) {
-        self.pager.release(self.slot);
+        self.pager.shared.release(self.slot);
     }
 }
 
 impl Pager {
-    /// A pager over `layout` with `slots[i]` slots for class i.
-    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader) -> Result<Pager> {
+    /// A pager over `layout` with `slots[i]` slots for class i, reading
+    /// with `readers` threads.
+    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
         let arena = Arena::new(&classes)
@@ -110,28 +165,43 @@ impl Pager {
             counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
             bytes_read: 0,
             read_ns: 0,
+            errors: HashMap::new(),
+            batches: HashMap::new(),
+            next_batch: 0,
+            batch_totals: (0, 0, 0),
         };
-        Ok(Pager { layout, arena, reader, state: Mutex::new(state), changed: Condvar::new() })
+        let shared = Arc::new(Shared {
+            layout,
+            arena,
+            reader,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            queue: Mutex::new((VecDeque::new(), false)),
+            queued: Condvar::new(),
+        });
+        let readers = (0..readers.max(1))
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("sdq-reader-{i}"))
+                    .spawn(move || shared.read_jobs())
+                    .map_err(|e| Error::invalid(format!("cannot start reader thread {i}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Pager { shared, readers })
     }
 
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        &self.shared.layout
     }
 
     pub fn arena(&self) -> &Arena {
-        &self.arena
+        &self.shared.arena
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock aborts the process (panic = abort),
-        // so a poisoned lock cannot be observed; recover the guard regardless.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Pins expert `expert` of `layer`, reading it into a slot on a miss.
-    /// `first` marks the first acquire of a use (it is counted as a hit or a miss).
-    pub fn acquire(&self, layer: u32, expert: u32, first: bool) -> Result<PinnedExpert<'_>> {
+    fn layer(&self, layer: u32, expert: u32) -> Result<&LayerLayout> {
         let ll = self
+            .shared
             .layout
             .layers
             .get(&layer)
@@ -139,100 +209,266 @@ impl Pager {
         if expert >= ll.n_expert {
             return Err(Error::invalid(format!("expert {expert} of layer {layer} out of range ({} experts)", ll.n_expert)));
         }
+        Ok(ll)
+    }
+
+    /// Starts a batch's use of `experts` of `layer` (the router's choice):
+    /// counts each as a hit or a miss, and submits every miss to the readers
+    /// at once, into slots that hold none of the batch's experts. Returns the
+    /// misses it found no slot for: their acquire reads them (`Count::Nothing`).
+    pub fn prepare(&self, layer: u32, experts: &[u32]) -> Result<Vec<u32>> {
+        let sh = &*self.shared;
+        for &e in experts {
+            self.layer(layer, e)?;
+        }
+        let ll = &sh.layout.layers[&layer];
+        let class = sh.arena.classes()[ll.class].slots();
+        let batch: HashSet<ExpertKey> = experts.iter().map(|&e| (layer, e)).collect();
+        let mut deferred = Vec::new();
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        for &e in experts {
+            let key = (layer, e);
+            if st.table.contains_key(&key) {
+                st.counts.get_mut(&layer).expect("layer counted").hits += 1;
+                continue;
+            }
+            st.counts.get_mut(&layer).expect("layer counted").misses += 1;
+            let victim = {
+                let (slots, batch) = (&st.slots, &batch);
+                st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !matches!(slots[s].key, Some(k) if batch.contains(&k)))
+            };
+            match victim {
+                Some(slot) => jobs.extend(sh.start_load(&mut st, slot, ll, e, false)),
+                None => deferred.push(e),
+            }
+        }
+        if !jobs.is_empty() {
+            let id = st.next_batch;
+            st.next_batch += 1;
+            for j in &jobs {
+                st.slots[j.slot].batch = Some(id);
+            }
+            let bytes = (jobs.len() / ll.parts.len()) as u64 * ll.expert_bytes as u64;
+            st.batches.insert(id, (bytes, jobs.len() as u32, Instant::now()));
+        }
+        drop(st);
+        sh.submit(jobs);
+        Ok(deferred)
+    }
+
+    /// The first of `candidates` (index, expert) whose expert of `layer` is
+    /// in a slot and fully read.
+    pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {
+        let st = self.shared.lock();
+        candidates.into_iter().find(|&(_, e)| st.table.get(&(layer, e)).is_some_and(|&s| st.slots[s].ready)).map(|(i, _)| i)
+    }
+
+    /// Pins expert `expert` of `layer`, reading it into a slot on a miss
+    /// (or waiting for a read in flight).
+    pub fn acquire(&self, layer: u32, expert: u32, count: Count) -> Result<PinnedExpert<'_>> {
+        let sh = &*self.shared;
+        let ll = self.layer(layer, expert)?;
         let key = (layer, expert);
-        let class = self.arena.classes()[ll.class].slots();
-        let mut st = self.lock();
-        let slot = loop {
+        let class = sh.arena.classes()[ll.class].slots();
+        let mut st = sh.lock();
+        let counted = count != Count::Use;
+        loop {
+            if let Some(msg) = st.errors.get(&key) {
+                return Err(Error::invalid(msg.clone()));
+            }
             if let Some(&slot) = st.table.get(&key) {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
                     st.lru.touch(slot);
-                    if first {
+                    if !counted {
                         st.counts.get_mut(&layer).expect("layer counted").hits += 1;
                     }
                     return Ok(PinnedExpert { pager: self, slot, layer: ll });
                 }
-                // Another thread is reading this expert: wait for it.
-                st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                // Being read (by the readers, for this or another thread): wait.
+                st = sh.wait(st);
                 continue;
             }
             let slots = &st.slots;
             match st.lru.victim(class.clone(), |s| slots[s].pins == 0) {
-                Some(victim) => break victim,
+                Some(victim) => {
+                    if !counted {
+                        st.counts.get_mut(&layer).expect("layer counted").misses += 1;
+                    } else if count == Count::Later {
+                        st.counts.get_mut(&layer).expect("layer counted").rereads += 1;
+                    }
+                    let jobs = sh.start_load(&mut st, victim, ll, expert, true);
+                    drop(st);
+                    sh.submit(jobs);
+                    st = sh.lock();
+                    loop {
+                        if let Some(msg) = st.errors.get(&key) {
+                            return Err(Error::invalid(msg.clone()));
+                        }
+                        if st.slots[victim].ready && st.slots[victim].key == Some(key) {
+                            // The load's pin is now this acquire's.
+                            st.lru.touch(victim);
+                            return Ok(PinnedExpert { pager: self, slot: victim, layer: ll });
+                        }
+                        st = sh.wait(st);
+                    }
+                }
                 // Every slot of the class is pinned by another thread's
                 // expert; each is released when that expert is computed.
-                None => st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner()),
-            }
-        };
-        if let Some(old) = st.slots[slot].key.take() {
-            st.table.remove(&old);
-        }
-        st.slots[slot] = Slot { key: Some(key), pins: 1, ready: false };
-        st.table.insert(key, slot);
-        let counts = st.counts.get_mut(&layer).expect("layer counted");
-        if first {
-            counts.misses += 1;
-        } else {
-            counts.rereads += 1;
-        }
-        drop(st);
-
-        let started = Instant::now();
-        let result = self.load(slot, ll, expert);
-        let elapsed = started.elapsed().as_nanos() as u64;
-
-        let mut st = self.lock();
-        match result {
-            Ok(()) => {
-                st.slots[slot].ready = true;
-                st.lru.touch(slot);
-                st.bytes_read += ll.expert_bytes as u64;
-                st.read_ns += elapsed;
-                drop(st);
-                self.changed.notify_all();
-                Ok(PinnedExpert { pager: self, slot, layer: ll })
-            }
-            Err(e) => {
-                st.table.remove(&key);
-                st.slots[slot] = Slot::default();
-                st.lru.forget(slot);
-                drop(st);
-                self.changed.notify_all();
-                Err(e)
+                None => st = sh.wait(st),
             }
         }
     }
 
-    /// Reads every part of `expert` into `slot`, the parts concurrently.
-    fn load(&self, slot: SlotId, ll: &LayerLayout, expert: u32) -> Result<()> {
-        // SAFETY: the slot is pinned by this thread and unpublished (ready ==
-        // false): no victim choice takes it and every other acquirer of this
-        // key waits, so this is the only reference to its bytes.
-        let mut rest = unsafe { self.arena.slot_mut(slot) };
-        let mut chunks = Vec::with_capacity(ll.parts.len());
-        for span in &ll.parts {
-            let (head, tail) = std::mem::take(&mut rest).split_at_mut(span.bytes);
-            chunks.push((span, head));
-            rest = tail;
+    /// Counts so far.
+    pub fn counts(&self) -> PagerCounts {
+        let st = self.shared.lock();
+        let mut per_layer: Vec<(u32, LayerCounts)> = st.counts.iter().map(|(&l, &c)| (l, c)).collect();
+        per_layer.sort_by_key(|p| p.0);
+        PagerCounts {
+            per_layer,
+            bytes_read: st.bytes_read,
+            read_seconds: st.read_ns as f64 / 1e9,
+            reads: self.shared.reader.reads(),
+            miss_batches: st.batch_totals.0,
+            miss_batch_bytes: st.batch_totals.1,
+            miss_batch_seconds: st.batch_totals.2 as f64 / 1e9,
         }
-        let read = |span: &layout::PartSpan, buf: &mut [u8]| -> Result<()> {
-            let offset = span.offset + expert as u64 * span.bytes as u64;
-            // The stamp is checked after the read: bytes read from a file that
-            // changed meanwhile are never published.
-            self.reader.read_exact_at(&span.file, buf, offset).and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
-                Error::io(format!("reading {:?} of expert {expert} of layer {} (offset {offset}) from", span.part, ll.layer), &span.path, e)
-            })
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.shared.queued.notify_all();
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock aborts the process (panic = abort),
+        // so a poisoned lock cannot be observed; recover the guard regardless.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn wait<'a>(&self, st: MutexGuard<'a, State>) -> MutexGuard<'a, State> {
+        self.changed.wait(st).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gives `slot` to `expert` (evicting what it held), pinned by the load
+    /// until every part is read; returns the read jobs.
+    fn start_load(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, keep_pin: bool) -> Vec<Job> {
+        let key = (ll.layer, expert);
+        if let Some(old) = st.slots[slot].key.take() {
+            st.table.remove(&old);
+        }
+        st.slots[slot] = Slot {
+            key: Some(key),
+            pins: 1,
+            ready: false,
+            parts_left: ll.parts.len() as u32,
+            failed: false,
+            started: Some(Instant::now()),
+            batch: None,
+            keep_pin,
         };
-        let (first, others) = chunks.split_first_mut().expect("an expert has parts");
-        std::thread::scope(|s| {
-            let handles: Vec<_> = others.iter_mut().map(|(span, buf)| s.spawn(move || read(span, buf))).collect();
-            let mut result = read(first.0, first.1);
-            for h in handles {
-                let r = h.join().expect("reader thread");
-                result = result.and(r);
-            }
-            result
+        st.table.insert(key, slot);
+        (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
+    }
+
+    fn submit(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let n = jobs.len();
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).0.extend(jobs);
+        // One reader per job: waking all of them on a 2-core machine takes
+        // the cores from ggml's threads for nothing.
+        for _ in 0..n {
+            self.queued.notify_one();
+        }
+    }
+
+    /// A reader thread: takes jobs until the pager is dropped.
+    fn read_jobs(&self) {
+        loop {
+            let job = {
+                let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+                loop {
+                    if let Some(j) = q.0.pop_front() {
+                        break j;
+                    }
+                    if q.1 {
+                        return;
+                    }
+                    q = self.queued.wait(q).unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let result = self.read_part(&job);
+            self.finish_part(&job, result);
+        }
+    }
+
+    fn read_part(&self, job: &Job) -> Result<()> {
+        let ll = &self.layout.layers[&job.layer];
+        let span = &ll.parts[job.part];
+        // SAFETY: the slot is pinned by its load and unpublished (ready ==
+        // false): no victim choice takes it and every acquirer of its key
+        // waits; each part's range is given to exactly one job.
+        let buf = unsafe { self.arena.slot_range_mut(job.slot, span.slot_offset..span.slot_offset + span.bytes) };
+        let offset = span.offset + job.expert as u64 * span.bytes as u64;
+        // The stamp is checked after the read: bytes read from a file that
+        // changed meanwhile are never published.
+        self.reader.read_exact_at(&span.file, buf, offset).and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
+            Error::io(format!("reading {:?} of expert {} of layer {} (offset {offset}) from", span.part, job.expert, ll.layer), &span.path, e)
         })
+    }
+
+    fn finish_part(&self, job: &Job, result: Result<()>) {
+        let mut st = self.lock();
+        let key = (job.layer, job.expert);
+        if let Some(id) = st.slots[job.slot].batch {
+            let done = st.batches.get_mut(&id).map(|b| {
+                b.1 -= 1;
+                b.1 == 0
+            });
+            if done == Some(true) {
+                let (bytes, _, started) = st.batches.remove(&id).expect("batch present");
+                st.batch_totals.0 += 1;
+                st.batch_totals.1 += bytes;
+                st.batch_totals.2 += started.elapsed().as_nanos() as u64;
+            }
+        }
+        if let Err(e) = result {
+            st.errors.entry(key).or_insert_with(|| e.to_string());
+            st.slots[job.slot].failed = true;
+        }
+        let s = &mut st.slots[job.slot];
+        s.parts_left -= 1;
+        if s.parts_left > 0 {
+            return;
+        }
+        let (failed, started) = (s.failed, s.started.take());
+        if failed {
+            st.table.remove(&key);
+            st.slots[job.slot] = Slot::default();
+            st.lru.forget(job.slot);
+        } else {
+            let s = &mut st.slots[job.slot];
+            s.ready = true;
+            if !s.keep_pin {
+                s.pins -= 1;
+            }
+            st.lru.touch(job.slot);
+            st.bytes_read += self.layout.layers[&job.layer].expert_bytes as u64;
+            st.read_ns += started.map_or(0, |t| t.elapsed().as_nanos() as u64);
+        }
+        drop(st);
+        self.changed.notify_all();
     }
 
     fn release(&self, slot: SlotId) {
@@ -245,13 +481,5 @@ impl Pager {
         if free {
             self.changed.notify_all();
         }
-    }
-
-    /// Counts so far.
-    pub fn counts(&self) -> PagerCounts {
-        let st = self.lock();
-        let mut per_layer: Vec<(u32, LayerCounts)> = st.counts.iter().map(|(&l, &c)| (l, c)).collect();
-        per_layer.sort_by_key(|p| p.0);
-        PagerCounts { per_layer, bytes_read: st.bytes_read, read_seconds: st.read_ns as f64 / 1e9, reads: self.reader.reads() }
     }
 }
