@@ -46,9 +46,9 @@ struct Slot {
     keep_pin: bool,
 }
 
-/// Counts of one layer. A *use* is one expert needed by one batch: its first
-/// acquire (by the batch's first matmul of the expert) is a hit or a miss.
-/// Later matmuls of the same use normally hit; if the expert was evicted in
+/// Counts of one layer. A *use* is one expert needed by one batch: `prepare`
+/// counts it as a hit or a miss when the router has chosen. The matmuls of
+/// the use then normally find it; if the expert was evicted in
 /// between (a batch touching more experts than the arena holds), the read
 /// again is a *reread*.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -91,12 +91,12 @@ pub struct PagerCounts {
 /// Readers in the pool when `SDQ_READERS` does not say.
 pub const DEFAULT_READERS: usize = 8;
 
-/// What an acquire counts for the layer's figures.
+/// What an acquire counts for the layer's figures (`prepare` has counted
+/// the use itself as a hit or a miss).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Count {
-    /// The first acquire of a use: a hit or a miss.
-    Use,
-    /// A later acquire of a use (or one `prepare` counted): a read is a reread.
+    /// A read is a reread: the expert was there at `prepare`, or was read by
+    /// it, and has been evicted since.
     Later,
     /// Counted already (`prepare` counted the miss and left the read to this acquire).
     Nothing,
@@ -272,7 +272,6 @@ impl Pager {
         let key = (layer, expert);
         let class = sh.arena.classes()[ll.class].slots();
         let mut st = sh.lock();
-        let counted = count != Count::Use;
         loop {
             if let Some(msg) = st.errors.get(&key) {
                 return Err(Error::invalid(msg.clone()));
@@ -281,9 +280,6 @@ impl Pager {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
                     st.lru.touch(slot);
-                    if !counted {
-                        st.counts.get_mut(&layer).expect("layer counted").hits += 1;
-                    }
                     return Ok(PinnedExpert { pager: self, slot, layer: ll });
                 }
                 // Being read (by the readers, for this or another thread): wait.
@@ -293,9 +289,7 @@ impl Pager {
             let slots = &st.slots;
             match st.lru.victim(class.clone(), |s| slots[s].pins == 0) {
                 Some(victim) => {
-                    if !counted {
-                        st.counts.get_mut(&layer).expect("layer counted").misses += 1;
-                    } else if count == Count::Later {
+                    if count == Count::Later {
                         st.counts.get_mut(&layer).expect("layer counted").rereads += 1;
                     }
                     let jobs = sh.start_load(&mut st, victim, ll, expert, true);
