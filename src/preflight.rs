@@ -18,6 +18,8 @@ pub struct ModelCheck {
     pub files: Vec<PathBuf>,
     /// Routed-expert tensors across all files.
     pub routed_expert_tensors: usize,
+    /// One sequence's recurrent state (`growth::checkpoint_bytes`).
+    pub checkpoint_bytes: u64,
 }
 
 /// Checks the model at `path` (the first part, for a split GGUF).
@@ -29,6 +31,7 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
     };
     let mut files = vec![path.to_path_buf()];
     let mut routed = count_routed(&first);
+    let checkpoint_bytes = crate::growth::checkpoint_bytes(&first);
     if count > 1 {
         let prefix = split_prefix(path, count).ok_or_else(|| {
             Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf"))
@@ -42,7 +45,7 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
             files.push(part);
         }
     }
-    Ok(ModelCheck { files, routed_expert_tensors: routed })
+    Ok(ModelCheck { files, routed_expert_tensors: routed, checkpoint_bytes })
 }
 
 /// `PREFIX` of `PREFIX-00001-of-0000N.gguf`.

@@ -61,36 +61,31 @@ fn model_paths(args: &[OsString]) -> Vec<std::path::PathBuf> {
         .collect()
 }
 
-/// Checks each model the tool is about to load under a budget (exiting with
-/// a one-line error if one is unusable). False if models were named and none
-/// has routed experts: then there is nothing to page. Tools that name no
-/// model file (downloads, a server's model directory) are let through.
-fn models_have_experts(program: &str, args: &[OsString]) -> bool {
-    let paths = model_paths(args);
-    let mut any = paths.is_empty();
-    for p in &paths {
-        match preflight::check_model(p) {
-            Ok(c) => any |= c.routed_expert_tensors > 0,
-            Err(e) => {
+/// Checks each model the tool is about to load under a budget, exiting with
+/// a one-line error if one is unusable. Tools that name no model file
+/// (downloads, a server's model directory) get no checks.
+fn check_models(program: &str, args: &[OsString]) -> Vec<preflight::ModelCheck> {
+    model_paths(args)
+        .iter()
+        .map(|p| {
+            preflight::check_model(p).unwrap_or_else(|e| {
                 eprintln!("{program}: error: {e}");
                 std::process::exit(1);
-            }
-        }
-    }
-    any
+            })
+        })
+        .collect()
 }
 
 /// Fits the tool's growth after load (prompt cache, context checkpoints) into
 /// the reserve: sets upstream's variables for what the user left alone and
 /// raises the reserve for what they asked for (see `growth`).
-fn fit_growth(program: &str, args: &[OsString], budget: u64, opts: &mut Options) {
+fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, opts: &mut Options) {
     let fail = |e: crate::error::Error| -> ! {
         eprintln!("{program}: error: {e}");
         std::process::exit(1);
     };
     let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let settings = growth::ToolSettings::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| fail(e));
-    let checkpoint = model_paths(args).first().and_then(|p| crate::gguf::Gguf::open(p).ok()).map_or(0, |g| growth::checkpoint_bytes(&g));
     let reserve = opts.reserve.unwrap_or_else(|| crate::budget::default_reserve(budget));
     let plan = growth::plan(&settings, reserve, checkpoint).unwrap_or_else(|e| fail(e));
     for (k, v) in &plan.env {
@@ -139,12 +134,15 @@ pub fn run(entry: Entry) -> ! {
         eprintln!("{program}: error: {e}");
         std::process::exit(1);
     }
-    if opts.budget.is_some() && !models_have_experts(&program, &args) {
+    let checks = if opts.budget.is_some() { check_models(&program, &args) } else { Vec::new() };
+    // Models were named and none has routed experts: there is nothing to page.
+    if !checks.is_empty() && checks.iter().all(|c| c.routed_expert_tensors == 0) {
         let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
         eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
     } else if let Some(budget) = opts.budget {
         if tool_has_prompt_cache(&program) {
-            fit_growth(&program, &args, budget, &mut opts);
+            let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
+            fit_growth(&program, &args, checkpoint, budget, &mut opts);
         }
         // Children (llama-server's router re-executes itself) inherit the options.
         for (k, v) in opts.to_env() {
