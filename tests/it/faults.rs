@@ -39,6 +39,17 @@ fn paged(model: &Path, n: u32, budget: &str, faults: &str) -> Command {
 /// minimum arena evicting on every miss).
 const AT: [u64; 3] = [1, 40, 150];
 
+/// Waits until the run has written its first stats snapshot (paging has
+/// started) within `secs`, asserting it is still running.
+fn wait_for_stats(stats: &Path, child: &mut std::process::Child, secs: u64) {
+    let start = Instant::now();
+    while !stats.exists() {
+        assert!(start.elapsed() < Duration::from_secs(secs), "no stats snapshot within {secs} s");
+        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 #[test]
 fn interrupted_and_short_reads_are_retried_to_stock_output() {
     let (stock, budget) = stock_and_tight_budget(tiny(), 32);
@@ -100,10 +111,7 @@ fn a_model_file_changed_while_running() {
             .stderr(Stdio::piped())
             .spawn()
             .unwrap();
-        let start = Instant::now();
-        while !stats.exists() && start.elapsed() < Duration::from_secs(120) {
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_for_stats(&stats, &mut child, 120);
         std::thread::sleep(Duration::from_millis(1500));
         assert!(child.try_wait().unwrap().is_none(), "{how}: the run ended before the file changed");
         if how == "truncated" {
@@ -140,12 +148,7 @@ fn ctrl_c_during_a_read_exits_promptly_and_the_stats_file_is_json() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let start = Instant::now();
-    while !stats.exists() {
-        assert!(start.elapsed() < Duration::from_secs(60), "no stats snapshot within 60 s");
-        assert!(child.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    wait_for_stats(&stats, &mut child, 60);
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: signalling our own child by its pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };

@@ -7,22 +7,25 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-/// Stops the server with SIGINT (its clean shutdown, which writes the
-/// stats) and returns its exit status.
-fn stop(mut server: KillOnDrop) -> std::process::ExitStatus {
-    // SAFETY: signalling our own child by its pid.
-    unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
+/// The server's exit status, which must come within 30 s (`what` says why
+/// it should exit).
+fn exit_within_30s(server: &mut KillOnDrop, what: &str) -> std::process::ExitStatus {
     let start = Instant::now();
     loop {
         if let Some(status) = server.0.try_wait().unwrap() {
             return status;
         }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "llama-server did not stop within 30 s of SIGINT"
-        );
+        assert!(start.elapsed() < Duration::from_secs(30), "llama-server did not exit within 30 s {what}");
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// Stops the server with SIGINT (its clean shutdown, which writes the
+/// stats) and returns its exit status.
+fn stop(mut server: KillOnDrop) -> std::process::ExitStatus {
+    // SAFETY: signalling our own child by its pid.
+    unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
+    exit_within_30s(&mut server, "of SIGINT")
 }
 
 #[test]
@@ -135,17 +138,7 @@ fn a_failed_read_ends_the_server_with_the_error_and_no_answer() {
         answered < 20,
         "20 requests answered: the injected fault never happened"
     );
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = server.0.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            start.elapsed() < Duration::from_secs(30),
-            "the server went on after a failed read"
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    };
+    let status = exit_within_30s(&mut server, "of a failed read");
     assert_eq!(status.code(), Some(1), "{status}");
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(
