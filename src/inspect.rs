@@ -86,6 +86,7 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
     if paged.is_empty() {
         return Ok(report);
     }
+    crate::preflight::check_expert_counts(model, &first)?;
 
     let layout = Layout::build(&paged, &paths)?;
     let types = |l: u32, p: Part| paged.iter().find(|t| t.layer == l && t.part == p).map(|t| t.ty.name());

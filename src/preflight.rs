@@ -31,6 +31,9 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
     };
     let mut files = vec![path.to_path_buf()];
     let mut routed = count_routed(&first);
+    if routed > 0 {
+        check_expert_counts(path, &first)?;
+    }
     let checkpoint_bytes = crate::growth::checkpoint_bytes(&first);
     if count > 1 {
         let prefix = split_prefix(path, count).ok_or_else(|| {
@@ -52,6 +55,34 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
 fn split_prefix(path: &Path, count: u64) -> Option<String> {
     let s = path.to_str()?;
     s.strip_suffix(&format!("-00001-of-{count:05}.gguf")).map(str::to_string)
+}
+
+/// The routing metadata a model with routed experts needs: an expert count,
+/// and between 1 and that many experts used per token. llama.cpp would abort
+/// on these at load; sdq's own accounting divides and clamps by them first.
+pub fn check_expert_counts(path: &Path, g: &Gguf) -> Result<()> {
+    let arch = match g.get("general.architecture") {
+        Some(Value::Str(a)) => a.clone(),
+        _ => return Err(Error::gguf(path, "has routed-expert tensors but no general.architecture")),
+    };
+    let key = |k: &str| {
+        let name = format!("{arch}.{k}");
+        match g.get(&name) {
+            Some(v) => v.as_u64().ok_or_else(|| Error::gguf(path, format!("{name} is not a whole number"))).map(|n| (name, n)),
+            None => Err(Error::gguf(path, format!("has routed-expert tensors but no {name}"))),
+        }
+    };
+    let (count_key, count) = key("expert_count")?;
+    let (used_key, used) = key("expert_used_count")?;
+    if used == 0 || used > count {
+        return Err(Error::gguf(path, format!("{used_key} is {used}: it must be between 1 and {count_key} ({count})")));
+    }
+    for t in g.tensors() {
+        if Part::from_tensor_name(&t.name).is_some() && t.ne[2] as u64 != count {
+            return Err(Error::gguf(path, format!("tensor {} holds {} experts, but {count_key} is {count}", t.name, t.ne[2])));
+        }
+    }
+    Ok(())
 }
 
 fn count_routed(g: &Gguf) -> usize {

@@ -171,6 +171,9 @@ impl Layout {
         let slot = slot_bytes;
         let layers = self.layers_per_class();
         let n_expert = self.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        if top_k == 0 || top_k > n_expert {
+            return Err(Error::invalid(format!("top-{top_k} of {n_expert} experts: nothing to plan slots for")));
+        }
         let min = self.min_arena_bytes(top_k);
         if arena_bytes < min {
             return Err(Error::invalid(format!(

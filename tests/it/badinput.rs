@@ -26,7 +26,19 @@ fn broken_model_files_are_one_clear_line() {
     absurd.extend(3u32.to_le_bytes());
     absurd.extend((1u64 << 60).to_le_bytes()); // tensors
     absurd.extend((1u64 << 60).to_le_bytes()); // key-value pairs
+    // The same file with another value for a u32 key (the key's string, its
+    // type tag, then the value).
+    let with_u32 = |key: &str, value: u32| {
+        let at = tiny_bytes.windows(key.len()).position(|w| w == key.as_bytes()).expect("key in the tiny model") + key.len();
+        assert_eq!(tiny_bytes[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
+        let mut b = tiny_bytes.clone();
+        b[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
+        b
+    };
     let cases: Vec<(PathBuf, &str)> = vec![
+        (write("bad-top-k-0.gguf", &with_u32("qwen35moe.expert_used_count", 0)), "expert_used_count is 0: it must be between 1 and"),
+        (write("bad-top-k-huge.gguf", &with_u32("qwen35moe.expert_used_count", 1 << 30)), "expert_used_count is 1073741824"),
+        (write("bad-expert-count.gguf", &with_u32("qwen35moe.expert_count", 1 << 30)), "experts, but qwen35moe.expert_count is 1073741824"),
         (write("bad-truncated-header.gguf", &tiny_bytes[..100_000]), "not a valid GGUF file"),
         (write("bad-truncated-data.gguf", &tiny_bytes[..tiny_bytes.len() - 100_000]), "past the end of the file"),
         (write("bad-magic.gguf", &bad_magic), "not a GGUF file (starts with \"GGUX\""),
