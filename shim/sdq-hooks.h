@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 3
+#define SDQ_HOOKS_VERSION 4
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -40,6 +40,10 @@ struct sdq_hooks {
 
     /* Loader: weight `t` (in paged_buft) has its bytes in file `idx` at `offs`. */
     void (*paged_weight)(void * user_data, const struct ggml_tensor * t, uint32_t idx, uint64_t offs);
+
+    /* Loader: weight `t` is not paged (it is created, its data is not loaded
+     * yet); it lives as long as the model. */
+    void (*resident_weight)(void * user_data, const struct ggml_tensor * t);
 
     /* Loader: weight `t` (not paged) stays in the file mapping: its bytes are
      * file-backed page cache rather than anonymous memory. */

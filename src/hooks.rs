@@ -4,7 +4,7 @@
 
 use crate::backend;
 use crate::ggml::{DotKernels, GgmlType};
-use crate::moe::{self, PagedMatmul};
+use crate::moe::{self, PagedMatmul, Predictor};
 use crate::pager::layout::{Part, PagedTensor};
 use crate::runtime::{self, fatal};
 use crate::sys;
@@ -34,6 +34,7 @@ pub fn install() {
             loader_file: Some(loader_file),
             is_paged: Some(is_paged),
             paged_weight: Some(paged_weight),
+            resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
             mul_mat_id: Some(mul_mat_id),
         })
@@ -95,6 +96,16 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
     })
 }
 
+extern "C" fn resident_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
+    guard("resident_weight", || {
+        let Some(rt) = runtime::get() else { return };
+        // SAFETY: llama.cpp passes the tensor it just created; it lives as
+        // long as the model.
+        let name = unsafe { tensor_name(t) };
+        rt.on_resident_weight(&name, t as usize);
+    })
+}
+
 extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
     guard("mapped_weight", || {
         let Some(rt) = runtime::get() else { return };
@@ -120,6 +131,62 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
             counts_tokens: part == Part::Down && layer == first_layer,
         }))
     })
+}
+
+/// Batches of up to this many tokens predict the next layer's experts
+/// (decoding, also several sequences at once); a prompt batch needs most
+/// experts anyway, and its misses are read together by `Pager::prepare`.
+const PREDICT_MAX_TOKENS: i64 = 8;
+
+/// One `Predictor` per layer, kept for the process's lifetime.
+fn predictor(layer: u32, next: u32, top_k: usize) -> &'static Predictor {
+    static OPS: OnceLock<Mutex<HashMap<u32, &'static Predictor>>> = OnceLock::new();
+    let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    ops.entry(layer).or_insert_with(|| Box::leak(Box::new(Predictor { layer, next, top_k })))
+}
+
+/// The prediction of the next paged layer's experts from this layer's
+/// expert input `b` ([n_embd, 1, n_tokens]): the next layer's router applied
+/// to it, then `moe::predict_next`, which starts reading what it picks.
+/// None when there is nothing to predict (the last layer, prompt batches,
+/// prefetch off).
+///
+/// # Safety
+/// `ctx`, `b` and `ids` must be valid tensors of the graph being built.
+unsafe fn build_prediction(ctx: *mut sys::ggml_context, layer: u32, b: *mut sys::ggml_tensor, ids: &sys::ggml_tensor) -> Option<*mut sys::ggml_tensor> {
+    let rt = runtime::get()?;
+    // SAFETY: b is valid (contract).
+    let bt = unsafe { &*b };
+    // SAFETY: as above.
+    if bt.ne[1] != 1 || bt.ne[2] > PREDICT_MAX_TOKENS || !unsafe { sys::ggml_is_contiguous(b) } {
+        return None;
+    }
+    let (next, router) = rt.next_router(layer)?;
+    let router = router as *mut sys::ggml_tensor;
+    // SAFETY: the router is a weight of the loaded model, alive as long as it.
+    if unsafe { (*router).ne[0] } != bt.ne[0] {
+        return None;
+    }
+    let op = predictor(layer, next, ids.ne[0] as usize);
+    // SAFETY: ctx is the graph's context and every tensor is valid; the
+    // callback and its leaked userdata live for the whole process.
+    unsafe {
+        let x = sys::ggml_reshape_2d(ctx, b, bt.ne[0], bt.ne[2]);
+        let mut logits = [sys::ggml_mul_mat(ctx, router, x)];
+        Some(sys::ggml_custom_4d(
+            ctx,
+            sys::GGML_TYPE_F32,
+            1,
+            1,
+            1,
+            1,
+            logits.as_mut_ptr(),
+            1,
+            Some(moe::predict_next),
+            1,
+            op as *const Predictor as *mut c_void,
+        ))
+    }
 }
 
 extern "C" fn mul_mat_id(
@@ -151,7 +218,14 @@ extern "C" fn mul_mat_id(
             ));
         }
         let op = paged_matmul(&name, layer, part, GgmlType(at.type_));
-        let mut args = [a, b, ids];
+        let mut args = vec![a, b, ids];
+        // The prediction is the gate matmul's fourth source, which it does not
+        // read: ggml computes it just before the layer's experts, once routing
+        // is known, and the reads it starts queue behind the layer's own.
+        if matches!(part, Part::Gate | Part::GateUp) {
+            // SAFETY: the tensors come from llama.cpp's graph (above).
+            args.extend(unsafe { build_prediction(ctx, layer, b, it) });
+        }
         // SAFETY: ctx is the graph's context; args are 3 valid tensors; the
         // callback and its leaked userdata live for the whole process.
         unsafe {
@@ -163,7 +237,7 @@ extern "C" fn mul_mat_id(
                 bt.ne[2],
                 1,
                 args.as_mut_ptr(),
-                3,
+                args.len() as i32,
                 Some(moe::paged_mul_mat_id),
                 -1, // GGML_N_TASKS_MAX: every thread of the graph
                 op as *const PagedMatmul as *mut c_void,

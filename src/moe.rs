@@ -16,6 +16,10 @@
 //! of the result. The router-weighted sum is llama.cpp's own ops, in its own
 //! order.
 //!
+//! While decoding, the next layer's experts are predicted from this layer's
+//! expert input (`predict_next`: the next layer's router applied to it) and
+//! read ahead at low priority once this layer's own misses are submitted.
+//!
 //! This is an FFI entry point (ggml calls it on its worker threads): tensor
 //! access here is raw, with each block's invariant stated.
 
@@ -39,6 +43,66 @@ pub struct PagedMatmul {
     pub kernels: DotKernels,
     /// True for the first paged layer's down projection: it counts tokens.
     pub counts_tokens: bool,
+}
+
+/// The prediction of a later layer's experts, computed just before the
+/// gate matmul of `layer` (see `hooks::build_prediction`).
+#[derive(Debug)]
+pub struct Predictor {
+    pub layer: u32,
+    pub next: u32,
+    pub top_k: usize,
+}
+
+/// Predictions made but not yet acted on, by the layer that made them:
+/// (next layer, experts best first).
+type Predictions = Mutex<HashMap<u32, (u32, Vec<u32>)>>;
+
+fn predictions() -> &'static Predictions {
+    static P: OnceLock<Predictions> = OnceLock::new();
+    P.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The op: reads the next layer's router logits [n_expert, n_tokens] and
+/// keeps each token's top-k experts, ordered by how many tokens chose them
+/// (then by logit), for the gate matmul of the same layer to prefetch.
+///
+/// # Safety
+/// Called by ggml with `dst` built by `hooks::build_prediction` (src[0] is
+/// an F32 matrix computed by ggml_mul_mat) and `userdata` pointing at a
+/// leaked `Predictor`.
+pub unsafe extern "C" fn predict_next(dst: *mut sys::ggml_tensor, ith: c_int, _nth: c_int, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
+    }
+    let run = std::panic::catch_unwind(|| {
+        // SAFETY: per this function's contract; ggml_mul_mat's result is a
+        // contiguous F32 matrix of ne[0] × ne[1] values.
+        let (logits, n_expert, n_tokens, op) = unsafe {
+            let l = &*(*dst).src[0];
+            let n = (l.ne[0] * l.ne[1]) as usize;
+            (std::slice::from_raw_parts(l.data as *const f32, n), l.ne[0] as usize, l.ne[1] as usize, &*(userdata as *const Predictor))
+        };
+        let mut score: HashMap<u32, (usize, f32)> = HashMap::new();
+        for t in 0..n_tokens {
+            let row = &logits[t * n_expert..(t + 1) * n_expert];
+            let mut order: Vec<usize> = (0..n_expert).collect();
+            let k = op.top_k.min(n_expert);
+            order.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| row[b].total_cmp(&row[a]));
+            for &e in &order[..k] {
+                let s = score.entry(e as u32).or_insert((0, f32::NEG_INFINITY));
+                s.0 += 1;
+                s.1 = s.1.max(row[e]);
+            }
+        }
+        let mut experts: Vec<(u32, (usize, f32))> = score.into_iter().collect();
+        experts.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(b.1 .1.total_cmp(&a.1 .1)));
+        let experts = experts.into_iter().map(|(e, _)| e).collect();
+        predictions().lock().unwrap_or_else(|p| p.into_inner()).insert(op.layer, (op.next, experts));
+    });
+    if run.is_err() {
+        fatal("internal error in the expert prediction");
+    }
 }
 
 /// The (slot k, token t) pairs one expert serves.
@@ -162,7 +226,13 @@ unsafe fn next_expert(key: usize, nth: usize, op: &PagedMatmul, ids: &sys::ggml_
         // SwiGLU's first source, and it starts the batch's reads.
         let deferred = if matches!(op.part, Part::Gate | Part::GateUp) {
             let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
-            pager.prepare(op.layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect()
+            let deferred = pager.prepare(op.layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            // This layer's misses are queued: now what the next layer will likely need.
+            let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&op.layer);
+            if let Some((next, predicted)) = predicted {
+                pager.prefetch(next, &predicted, op.layer);
+            }
+            deferred
         } else {
             HashSet::new()
         };

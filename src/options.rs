@@ -18,6 +18,8 @@ pub struct Options {
     pub faults: crate::pager::io::FaultPlan,
     /// Reader threads (`SDQ_READERS`: expert parts read at once).
     pub readers: Option<usize>,
+    /// Read the next layer's predicted experts ahead (`SDQ_PREFETCH`, default on).
+    pub prefetch: Option<bool>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -34,6 +36,7 @@ pub const HELP: &str = "\
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
+SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 ";
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
@@ -73,6 +76,13 @@ impl Options {
             o.readers = Some(match v.trim().parse::<usize>() {
                 Ok(n) if (1..=64).contains(&n) => n,
                 _ => return Err(Error::invalid(format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
+            });
+        }
+        if let Some(v) = env("SDQ_PREFETCH").filter(|v| !v.is_empty()) {
+            o.prefetch = Some(match v.trim() {
+                "1" | "on" | "true" => true,
+                "0" | "off" | "false" => false,
+                _ => return Err(Error::invalid(format!("SDQ_PREFETCH: '{v}' is not 0 or 1"))),
             });
         }
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
@@ -131,6 +141,12 @@ impl Options {
         if let Some(f) = &self.stats_file {
             env.push(("SDQ_STATS_FILE", f.to_string_lossy().into_owned()));
         }
+        if let Some(n) = self.readers {
+            env.push(("SDQ_READERS", n.to_string()));
+        }
+        if let Some(p) = self.prefetch {
+            env.push(("SDQ_PREFETCH", if p { "1" } else { "0" }.to_string()));
+        }
         env
     }
 }
@@ -174,6 +190,7 @@ mod tests {
             (&["t", "--ram-budget"][..], &[][..], "--ram-budget needs a value"),
             (&["t", "--ram-budget-mb", "1.5"][..], &[][..], "'1.5' is not a positive number of MiB"),
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
+            (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
         ] {
             let e = parse(args, env).0.unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");
@@ -182,7 +199,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -36,6 +36,9 @@ struct Registry {
     tensors: BTreeMap<String, PagedTensor>,
     /// Weights the loader left in the file mapping: (name, bytes).
     mapped: Vec<(String, u64)>,
+    /// Each layer's router (`blk.N.ffn_gate_inp.weight`), for predicting the
+    /// next layer's experts: the loader's tensor, as an address.
+    routers: BTreeMap<u32, usize>,
 }
 
 impl Registry {
@@ -144,6 +147,25 @@ impl Runtime {
 
     pub fn on_mapped_weight(&self, name: String, bytes: u64) {
         self.lock_registry().mapped.push((name, bytes));
+    }
+
+    /// A weight the loader keeps resident; routers are remembered.
+    pub fn on_resident_weight(&self, name: &str, tensor: usize) {
+        let layer = name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".ffn_gate_inp.weight")).and_then(|n| n.parse::<u32>().ok());
+        if let Some(layer) = layer {
+            self.lock_registry().routers.insert(layer, tensor);
+        }
+    }
+
+    /// The next layer after `layer` with paged experts, and its router, if
+    /// prefetching is on and the loader reported one.
+    pub fn next_router(&self, layer: u32) -> Option<(u32, usize)> {
+        if !self.options.prefetch.unwrap_or(true) {
+            return None;
+        }
+        let r = self.lock_registry();
+        let next = r.tensors.values().map(|t| t.layer).filter(|&l| l > layer).min()?;
+        r.routers.get(&next).map(|&t| (next, t))
     }
 
     pub fn on_paged_weight(&self, t: PagedTensor) {
@@ -335,13 +357,29 @@ impl Runtime {
                     .iter()
                     .map(|(l, n)| {
                         let expert_bytes = pager.layout().layers[l].expert_bytes;
-                        json!({ "layer": l, "expert_bytes": expert_bytes, "hits": n.hits, "misses": n.misses, "rereads": n.rereads })
+                        json!({
+                            "layer": l,
+                            "expert_bytes": expert_bytes,
+                            "hits": n.hits,
+                            "misses": n.misses,
+                            "rereads": n.rereads,
+                            "prefetched": n.prefetched,
+                            "prefetch_used": n.prefetch_used,
+                            "prefetch_late": n.prefetch_late,
+                            "prefetch_wasted": n.prefetch_wasted,
+                        })
                     })
                     .collect::<Vec<_>>()),
             );
             o.insert("hits".into(), json!(hits));
             o.insert("misses".into(), json!(misses));
-            o.insert("rereads".into(), json!(c.per_layer.iter().map(|(_, l)| l.rereads).sum::<u64>()));
+            let sum = |f: fn(&crate::pager::LayerCounts) -> u64| c.per_layer.iter().map(|(_, l)| f(l)).sum::<u64>();
+            o.insert("rereads".into(), json!(sum(|l| l.rereads)));
+            // Prefetched experts a batch then used are hits; every prefetch is a read.
+            o.insert("prefetched".into(), json!(sum(|l| l.prefetched)));
+            o.insert("prefetch_used".into(), json!(sum(|l| l.prefetch_used)));
+            o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
+            o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
             o.insert("bytes_read".into(), json!(c.bytes_read));
             o.insert("reads".into(), json!(c.reads));

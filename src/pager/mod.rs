@@ -3,6 +3,9 @@
 //! releases it. `prepare(layer, experts)` starts a batch's misses all at once,
 //! as soon as the router has chosen, so they are read in parallel (a pool of
 //! reader threads, one read per part) while resident experts are computed.
+//! `prefetch(layer, experts)` reads experts a later layer is predicted to
+//! need, at low priority: readers take those jobs only when no demand read
+//! is waiting, and a batch that needs a queued prefetch promotes it.
 //!
 //! Invariants (checked by the tests and asserted where cheap):
 //! - a key is in `table` only while its slot holds exactly that expert's bytes
@@ -44,6 +47,8 @@ struct Slot {
     batch: Option<u64>,
     /// The acquire that started the load takes over its pin when it is read.
     keep_pin: bool,
+    /// Read by `prefetch` and not used by a batch since.
+    prefetched: bool,
 }
 
 /// Counts of one layer. A *use* is one expert needed by one batch: `prepare`
@@ -56,6 +61,14 @@ pub struct LayerCounts {
     pub hits: u64,
     pub misses: u64,
     pub rereads: u64,
+    /// Experts `prefetch` started reading for this layer.
+    pub prefetched: u64,
+    /// Uses (counted as hits) that found a prefetched expert; `prefetch_late`
+    /// of them found it still being read.
+    pub prefetch_used: u64,
+    pub prefetch_late: u64,
+    /// Prefetched experts evicted before any batch used them.
+    pub prefetch_wasted: u64,
 }
 
 struct State {
@@ -102,6 +115,14 @@ pub enum Count {
     Nothing,
 }
 
+/// Read jobs: demand reads (a batch waits for them) first, then prefetches.
+#[derive(Default)]
+struct Queue {
+    demand: VecDeque<Job>,
+    spare: VecDeque<Job>,
+    closed: bool,
+}
+
 /// One part of one expert to read into a slot.
 struct Job {
     slot: SlotId,
@@ -116,7 +137,7 @@ struct Shared {
     reader: io::ExpertReader,
     state: Mutex<State>,
     changed: Condvar,
-    queue: Mutex<(VecDeque<Job>, bool)>,
+    queue: Mutex<Queue>,
     queued: Condvar,
 }
 
@@ -176,7 +197,7 @@ impl Pager {
             reader,
             state: Mutex::new(state),
             changed: Condvar::new(),
-            queue: Mutex::new((VecDeque::new(), false)),
+            queue: Mutex::new(Queue::default()),
             queued: Condvar::new(),
         });
         let readers = (0..readers.max(1))
@@ -229,8 +250,18 @@ impl Pager {
         let mut st = sh.lock();
         for &e in experts {
             let key = (layer, e);
-            if st.table.contains_key(&key) {
-                st.counts.get_mut(&layer).expect("layer counted").hits += 1;
+            if let Some(&slot) = st.table.get(&key) {
+                let s = &mut st.slots[slot];
+                let (prefetched, ready) = (std::mem::take(&mut s.prefetched), s.ready);
+                let c = st.counts.get_mut(&layer).expect("layer counted");
+                c.hits += 1;
+                if prefetched {
+                    c.prefetch_used += 1;
+                    if !ready {
+                        c.prefetch_late += 1;
+                        sh.promote(slot);
+                    }
+                }
                 continue;
             }
             st.counts.get_mut(&layer).expect("layer counted").misses += 1;
@@ -255,6 +286,37 @@ impl Pager {
         drop(st);
         sh.submit(jobs);
         Ok(deferred)
+    }
+
+    /// Starts reading the experts of `layer` in `experts` (best first) that
+    /// are not in the arena, at low priority, while layer `current` is being
+    /// computed. A victim must be unpinned and hold no expert of `current` or
+    /// `layer`; it stops at the first expert with no such slot. Returns how
+    /// many reads it started.
+    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) -> usize {
+        let sh = &*self.shared;
+        let Some(ll) = sh.layout.layers.get(&layer) else { return 0 };
+        let class = sh.arena.classes()[ll.class].slots();
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let mut started = 0;
+        for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
+            if st.table.contains_key(&(layer, e)) {
+                continue;
+            }
+            let victim = {
+                let slots = &st.slots;
+                st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !matches!(slots[s].key, Some((l, _)) if l == current || l == layer))
+            };
+            let Some(slot) = victim else { break };
+            jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
+            started += 1;
+        }
+        drop(st);
+        sh.submit_spare(jobs);
+        started
     }
 
     /// The first of `candidates` (index, expert) whose expert of `layer` is
@@ -283,6 +345,9 @@ impl Pager {
                     return Ok(PinnedExpert { pager: self, slot, layer: ll });
                 }
                 // Being read (by the readers, for this or another thread): wait.
+                if st.slots[slot].prefetched {
+                    sh.promote(slot);
+                }
                 st = sh.wait(st);
                 continue;
             }
@@ -334,7 +399,7 @@ impl Pager {
 
 impl Drop for Pager {
     fn drop(&mut self) {
-        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).1 = true;
+        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
         self.shared.queued.notify_all();
         for r in self.readers.drain(..) {
             let _ = r.join();
@@ -359,6 +424,9 @@ impl Shared {
         let key = (ll.layer, expert);
         if let Some(old) = st.slots[slot].key.take() {
             st.table.remove(&old);
+            if st.slots[slot].prefetched {
+                st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
+            }
         }
         st.slots[slot] = Slot {
             key: Some(key),
@@ -369,6 +437,7 @@ impl Shared {
             started: Some(Instant::now()),
             batch: None,
             keep_pin,
+            prefetched: false,
         };
         st.table.insert(key, slot);
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
@@ -379,11 +448,34 @@ impl Shared {
             return;
         }
         let n = jobs.len();
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).0.extend(jobs);
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).demand.extend(jobs);
         // One reader per job: waking all of them on a 2-core machine takes
         // the cores from ggml's threads for nothing.
         for _ in 0..n {
             self.queued.notify_one();
+        }
+    }
+
+    /// Queues prefetch reads, behind every demand read.
+    fn submit_spare(&self, jobs: Vec<Job>) {
+        if jobs.is_empty() {
+            return;
+        }
+        let n = jobs.len();
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).spare.extend(jobs);
+        for _ in 0..n {
+            self.queued.notify_one();
+        }
+    }
+
+    /// Moves the queued prefetch reads of `slot` ahead of every other read:
+    /// a batch needs that expert now.
+    fn promote(&self, slot: SlotId) {
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let (mine, rest): (VecDeque<Job>, VecDeque<Job>) = std::mem::take(&mut q.spare).into_iter().partition(|j| j.slot == slot);
+        q.spare = rest;
+        for j in mine.into_iter().rev() {
+            q.demand.push_front(j);
         }
     }
 
@@ -393,11 +485,14 @@ impl Shared {
             let job = {
                 let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
                 loop {
-                    if let Some(j) = q.0.pop_front() {
+                    if let Some(j) = q.demand.pop_front() {
                         break j;
                     }
-                    if q.1 {
+                    if q.closed {
                         return;
+                    }
+                    if let Some(j) = q.spare.pop_front() {
+                        break j;
                     }
                     q = self.queued.wait(q).unwrap_or_else(|p| p.into_inner());
                 }

@@ -108,7 +108,9 @@ fn identical_to_stock_at_every_budget_thread_count_and_batch() {
                     let slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
                     // 4 layers × top-4 = 16 experts of demand per class: fewer slots evict constantly.
                     assert!(slots.iter().all(|&n| n >= top_k && n < 16), "{what}: slots {slots:?}");
-                    assert!(u(s, "misses") > u(s, "hits"), "{what}: a minimum arena must evict constantly: {s}");
+                    // Uses that found their expert read ahead are hits, but not reuse.
+                    let (read, reused) = (u(s, "misses") + u(s, "prefetch_used"), u(s, "hits") - u(s, "prefetch_used"));
+                    assert!(read > reused, "{what}: a minimum arena must evict constantly: {s}");
                 }
             }
         }
@@ -171,16 +173,38 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     let paged = eval(model, "wide-paged", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"]);
     assert_eq!(paged.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0);
-    let s = paged.stats.unwrap();
+    let s = paged.stats.clone().unwrap();
     assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget, "peak anonymous RSS over budget: {s}");
     assert_eq!(u(&s, "vm_swap_bytes"), 0, "swap used: {s}");
     // One token per batch: every batch uses top-k experts in every layer.
     let tokens = u(&s["tokens"], "prompt") + u(&s["tokens"], "generated");
     let layers = s["layers"].as_array().unwrap();
     assert_eq!(u(&s, "hits") + u(&s, "misses"), tokens * u(&s, "top_k") * layers.len() as u64, "uses: {s}");
-    let read: u64 = layers.iter().map(|l| (u(l, "misses") + u(l, "rereads")) * u(l, "expert_bytes")).sum();
+    // Every read is a miss, a reread or a prefetch, of exactly one expert.
+    let read: u64 = layers.iter().map(|l| (u(l, "misses") + u(l, "rereads") + u(l, "prefetched")) * u(l, "expert_bytes")).sum();
     assert_eq!(u(&s, "bytes_read"), read, "bytes read vs misses: {s}");
     assert!(u(&s, "misses") > 0 && u(&s, "hits") > 0, "{s}");
+    // Decoding one token at a time, the next layer's experts are predicted
+    // and read ahead, and batches then use some of them.
+    assert!(u(&s, "prefetched") > 0 && u(&s, "prefetch_used") > 0, "prefetch: {s}");
+    assert!(u(&s, "prefetch_used") + u(&s, "prefetch_wasted") <= u(&s, "prefetched"), "{s}");
+    // With prefetch off: the same tokens and logits, and no read ahead.
+    let off = eval_env(model, "wide-paged-no-prefetch", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "0")]);
+    assert_eq!(off.json["tokens"], stock.json["tokens"]);
+    assert_eq!(max_abs_diff(&off.logits, &stock.logits), 0.0);
+    let s = off.stats.unwrap();
+    assert_eq!(u(&s, "prefetched"), 0, "{s}");
+    let on = paged.stats.as_ref().unwrap();
+    let n = |k: &str| u(on, k);
+    eprintln!(
+        "prefetch on: {} prefetched, {} used ({} late), {} wasted, {} misses; off: {} misses",
+        n("prefetched"),
+        n("prefetch_used"),
+        n("prefetch_late"),
+        n("prefetch_wasted"),
+        n("misses"),
+        u(&s, "misses")
+    );
 }
 
 /// Page-cache residency of the routed-expert ranges of `model` (whole pages only).
@@ -354,7 +378,8 @@ fn router_skew_sets_how_many_experts_a_text_touches() {
         let e = eval(&m, &format!("skew{skew}"), &["-n", "24", "--ubatch", "1", "--ram-budget", "1G"]);
         let s = e.stats.unwrap();
         assert_eq!(u(&s, "rereads"), 0, "the arena must hold every expert: {s}");
-        u(&s, "misses")
+        // Each expert is read once, and its first use is a miss or finds it prefetched.
+        u(&s, "misses") + u(&s, "prefetch_used")
     };
     let (flat, skewed) = (touched("0"), touched("2"));
     // 4 layers x 64 experts; a trained-looking router keeps coming back to
