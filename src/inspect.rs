@@ -88,7 +88,8 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
     }
     crate::preflight::check_expert_counts(model, &first)?;
 
-    let layout = Layout::build(&paged, &paths)?;
+    // Sized as a run sizes it (direct I/O on, where the file system allows).
+    let layout = Layout::build(&paged, &paths, true)?;
     let types = |l: u32, p: Part| paged.iter().find(|t| t.layer == l && t.part == p).map(|t| t.ty.name());
     let layers: Vec<Value> = layout
         .layers
@@ -114,7 +115,12 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
             .class_bytes
             .iter()
             .zip(layout.layers_per_class())
-            .map(|(&b, n)| json!({ "expert_bytes": b, "slot_bytes": slot_bytes(b), "layers": n }))
+            .enumerate()
+            .map(|(class, (&extent, n))| {
+                let expert = layout.layers.values().find(|l| l.class == class).map_or(extent, |l| l.expert_bytes);
+                // slot_bytes: with direct I/O, parts are padded to 4 KiB boundaries.
+                json!({ "expert_bytes": expert, "slot_bytes": slot_bytes(extent), "layers": n })
+            })
             .collect::<Vec<_>>()),
     );
     o.insert(

@@ -20,6 +20,8 @@ pub struct Options {
     pub readers: Option<usize>,
     /// Read the next layer's predicted experts ahead (`SDQ_PREFETCH`, default on).
     pub prefetch: Option<bool>,
+    /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
+    pub direct_io: Option<bool>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -37,6 +39,7 @@ pub const HELP: &str = "\
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
+SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
 ";
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
@@ -53,6 +56,18 @@ fn budget_of(flag: &str, value: &str) -> Result<u64> {
     size_of(flag, value)
 }
 
+
+/// An on/off environment variable: 1/on/true or 0/off/false.
+fn switch(env: &impl Fn(&str) -> Option<String>, name: &str) -> Result<Option<bool>> {
+    match env(name).filter(|v| !v.is_empty()) {
+        None => Ok(None),
+        Some(v) => match v.trim() {
+            "1" | "on" | "true" => Ok(Some(true)),
+            "0" | "off" | "false" => Ok(Some(false)),
+            _ => Err(Error::invalid(format!("{name}: '{v}' is not 0 or 1"))),
+        },
+    }
+}
 
 fn mib_of(flag: &str, value: &str) -> Result<u64> {
     match value.trim().parse::<u64>() {
@@ -78,13 +93,8 @@ impl Options {
                 _ => return Err(Error::invalid(format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
             });
         }
-        if let Some(v) = env("SDQ_PREFETCH").filter(|v| !v.is_empty()) {
-            o.prefetch = Some(match v.trim() {
-                "1" | "on" | "true" => true,
-                "0" | "off" | "false" => false,
-                _ => return Err(Error::invalid(format!("SDQ_PREFETCH: '{v}' is not 0 or 1"))),
-            });
-        }
+        o.prefetch = switch(&env, "SDQ_PREFETCH")?;
+        o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
         }
@@ -144,8 +154,10 @@ impl Options {
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
         }
-        if let Some(p) = self.prefetch {
-            env.push(("SDQ_PREFETCH", if p { "1" } else { "0" }.to_string()));
+        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io)] {
+            if let Some(on) = value {
+                env.push((name, if on { "1" } else { "0" }.to_string()));
+            }
         }
         env
     }
@@ -199,7 +211,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -188,7 +188,7 @@ impl Runtime {
             let r = self.lock_registry();
             (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone(), r.mapped_hot_bytes())
         };
-        let layout = Layout::build(&tensors, &files)?;
+        let layout = Layout::build(&tensors, &files, self.options.direct_io.unwrap_or(true))?;
         layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
         let held = budget::Held { anon: rss, mapped };
@@ -382,6 +382,10 @@ impl Runtime {
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
             o.insert("bytes_read".into(), json!(c.bytes_read));
+            // With direct I/O, reads are 4 KiB-aligned supersets of the expert's range.
+            o.insert("device_bytes_read".into(), json!(c.device_bytes));
+            let direct = pager.layout().layers.values().flat_map(|l| &l.parts).filter(|p| p.direct.is_some()).count();
+            o.insert("direct_io".into(), json!(direct > 0));
             o.insert("reads".into(), json!(c.reads));
             o.insert("read_seconds".into(), json!(c.read_seconds));
             o.insert("miss_batches".into(), json!(c.miss_batches));

@@ -1,13 +1,26 @@
 //! Reading expert bytes from the model file: positioned reads that retry
-//! interrupted and short reads and fail on anything else, a check that the
-//! file has not changed under the reader, and injected faults for tests
-//! (`SDQ_FAULT_READ`, see [`FaultPlan::parse`]).
+//! interrupted and short reads and fail on anything else, through the page
+//! cache or with `O_DIRECT`, a check that the file has not changed under the
+//! reader, and injected faults for tests (`SDQ_FAULT_READ`, see
+//! [`FaultPlan::parse`]).
 
 use std::fs::File;
 use std::io;
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, SystemTime};
+
+/// File offsets, lengths and memory of `O_DIRECT` reads are multiples of this
+/// (the largest logical block size in common use; page-aligned slots meet it).
+pub const DIRECT_ALIGN: usize = 4096;
+
+/// Opens `path` for reading with `O_DIRECT`: the disk writes straight into
+/// the caller's buffer, bypassing the page cache. Fails where the file
+/// system does not support it.
+pub fn open_direct(path: &Path) -> io::Result<File> {
+    std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
+}
 
 /// One injected fault, on the first attempt of a read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -108,18 +121,36 @@ impl ExpertReader {
     /// Fills `buf` from `file` at `offset`. EINTR and short reads are retried
     /// until every byte has arrived; end of file before that is an error.
     pub fn read_exact_at(&self, file: &File, buf: &mut [u8], offset: u64) -> io::Result<()> {
+        self.read_into(file, buf, offset, buf.len(), 1)?;
+        // The slot now holds these bytes; a second copy in the page cache
+        // would only push out pages that are needed (the mapped weights),
+        // and under a limit that counts page cache, it is charged too.
+        drop_cached(file, offset, buf.len() as u64);
+        Ok(())
+    }
+
+    /// Reads `buf` from `file` (opened with `O_DIRECT`) at `offset`, both
+    /// DIRECT_ALIGN-aligned, as `read_exact_at` does; the file may end after
+    /// `need` bytes (the aligned superset of a range can run past the end).
+    pub fn read_direct(&self, file: &File, buf: &mut [u8], offset: u64, need: usize) -> io::Result<()> {
+        self.read_into(file, buf, offset, need, DIRECT_ALIGN)
+    }
+
+    /// Reads into `buf` until at least `need` bytes have arrived; a short read
+    /// (injected ones included) keeps to multiples of `align`.
+    fn read_into(&self, file: &File, buf: &mut [u8], offset: u64, need: usize, align: usize) -> io::Result<()> {
         let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(d) = self.faults.delay {
             std::thread::sleep(d);
         }
         let mut injected = self.faults.fault_for(n);
         let mut done = 0;
-        while done < buf.len() {
+        while done < need {
             let got = match injected.take() {
                 Some(Fault::Eio) => Err(io::Error::other(format!("injected read fault: EIO on read {n} (SDQ_FAULT_READ)"))),
                 Some(Fault::Eintr) => Err(io::Error::from(io::ErrorKind::Interrupted)),
                 Some(Fault::Short) => {
-                    let half = (buf.len() - done).div_ceil(2);
+                    let half = ((buf.len() - done) / 2 / align * align).max(align).min(buf.len() - done);
                     file.read_at(&mut buf[done..done + half], offset + done as u64)
                 }
                 Some(Fault::Eof) => Ok(0),
@@ -129,7 +160,7 @@ impl ExpertReader {
                 Ok(0) => {
                     return Err(io::Error::new(
                         io::ErrorKind::UnexpectedEof,
-                        format!("file ended after {} of {} bytes at offset {offset}", done, buf.len()),
+                        format!("file ended after {done} of {need} bytes at offset {offset}"),
                     ))
                 }
                 Ok(k) => done += k,
@@ -137,10 +168,6 @@ impl ExpertReader {
                 Err(e) => return Err(e),
             }
         }
-        // The slot now holds these bytes; a second copy in the page cache
-        // would only push out pages that are needed (the mapped weights),
-        // and under a limit that counts page cache, it is charged too.
-        drop_cached(file, offset, buf.len() as u64);
         Ok(())
     }
 

@@ -1,8 +1,16 @@
 //! Where the routed experts are: the paged tensors the loader reported, and
 //! per layer the file ranges of one expert's parts and their place in a slot.
+//!
+//! With direct I/O (`O_DIRECT`, the default where the file system allows it)
+//! the disk writes straight into the slot: no page-cache copy, and no CPU
+//! time taken from ggml's threads for one. Reads must then start and end on
+//! 4 KiB boundaries of the file and of memory, but GGUF aligns tensors to 32
+//! bytes only, so each part gets a region of its size rounded up to 4 KiB
+//! plus 4 KiB, is read as the aligned superset of its range, and its bytes
+//! start `head` bytes into the region.
 
 use super::arena::slot_bytes;
-use super::io::FileStamp;
+use super::io::{FileStamp, DIRECT_ALIGN};
 use crate::budget::human;
 use crate::error::{Error, Result};
 use crate::ggml::GgmlType;
@@ -68,8 +76,47 @@ pub struct PartSpan {
     pub bytes: usize,
     /// Bytes of one row (nb[1]).
     pub row_bytes: usize,
-    /// Where this part starts inside a slot.
+    /// Where this part's region starts inside a slot (4 KiB-aligned with
+    /// direct I/O).
     pub slot_offset: usize,
+    /// The file opened with O_DIRECT, if direct I/O is on and works there.
+    pub direct: Option<Arc<File>>,
+}
+
+impl PartSpan {
+    /// File offset of expert `e`'s bytes.
+    pub fn file_offset(&self, e: u32) -> u64 {
+        self.offset + e as u64 * self.bytes as u64
+    }
+
+    /// Where expert `e`'s bytes start inside this part's region: 0, or with
+    /// direct I/O their offset from the 4 KiB boundary below them.
+    pub fn head(&self, e: u32) -> usize {
+        if self.direct.is_some() {
+            (self.file_offset(e) % DIRECT_ALIGN as u64) as usize
+        } else {
+            0
+        }
+    }
+
+    /// Bytes read from the file for expert `e` (the aligned superset with
+    /// direct I/O).
+    pub fn read_len(&self, e: u32) -> usize {
+        if self.direct.is_some() {
+            (self.head(e) + self.bytes).div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN
+        } else {
+            self.bytes
+        }
+    }
+
+    /// Bytes of this part's region in a slot.
+    fn region(&self) -> usize {
+        if self.direct.is_some() {
+            self.bytes.div_ceil(DIRECT_ALIGN) * DIRECT_ALIGN + DIRECT_ALIGN
+        } else {
+            self.bytes
+        }
+    }
 }
 
 /// One MoE layer's experts.
@@ -81,6 +128,9 @@ pub struct LayerLayout {
     pub parts: Vec<PartSpan>,
     /// Bytes of one expert (all parts).
     pub expert_bytes: usize,
+    /// Bytes of a slot its parts occupy: expert_bytes, or with direct I/O
+    /// the parts' aligned regions. Slot classes are by this size.
+    pub slot_extent: usize,
     /// Index of this layer's slot class.
     pub class: usize,
 }
@@ -95,19 +145,30 @@ impl LayerLayout {
 #[derive(Clone, Debug)]
 pub struct Layout {
     pub layers: BTreeMap<u32, LayerLayout>,
+    /// Each class's slot extent (see `LayerLayout::slot_extent`).
     pub class_bytes: Vec<usize>,
 }
 
 impl Layout {
     /// Builds the layout from the paged tensors and the model's file paths,
     /// opening each file once and checking every range against its length.
-    pub fn build(tensors: &[PagedTensor], files: &BTreeMap<u32, PathBuf>) -> Result<Layout> {
-        let mut opened: BTreeMap<u32, (Arc<File>, FileStamp)> = BTreeMap::new();
+    /// With `direct`, each file is also opened with O_DIRECT where that
+    /// works (else its experts are read through the page cache, with a notice).
+    pub fn build(tensors: &[PagedTensor], files: &BTreeMap<u32, PathBuf>, direct: bool) -> Result<Layout> {
+        let mut opened: BTreeMap<u32, (Arc<File>, FileStamp, Option<Arc<File>>)> = BTreeMap::new();
         for (&idx, path) in files {
             let f = File::open(path).map_err(|e| Error::io("cannot open model file", path, e))?;
             let stamp = FileStamp::of(&f).map_err(|e| Error::io("cannot stat", path, e))?;
             super::io::advise_random(&f);
-            opened.insert(idx, (Arc::new(f), stamp));
+            let d = if direct {
+                super::io::open_direct(path)
+                    .inspect_err(|e| log::warn!("{}: no direct I/O ({e}); experts are read through the page cache", path.display()))
+                    .ok()
+                    .map(Arc::new)
+            } else {
+                None
+            };
+            opened.insert(idx, (Arc::new(f), stamp, d));
         }
         let mut by_layer: BTreeMap<u32, Vec<&PagedTensor>> = BTreeMap::new();
         for t in tensors {
@@ -126,7 +187,7 @@ impl Layout {
             let mut slot_offset = 0;
             for t in ts {
                 let path = files.get(&t.file).cloned().unwrap_or_default();
-                let (file, stamp) = opened
+                let (file, stamp, direct) = opened
                     .get(&t.file)
                     .cloned()
                     .ok_or_else(|| Error::invalid(format!("tensor {}: no path for model file {}", t.name, t.file)))?;
@@ -141,16 +202,18 @@ impl Layout {
                 if end > stamp.len {
                     return Err(Error::gguf(&path, format!("tensor {} runs to byte {end}, past the end of the file ({} bytes)", t.name, stamp.len)));
                 }
-                parts.push(PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset });
-                slot_offset += bytes;
+                let span = PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset, direct };
+                slot_offset += span.region();
+                parts.push(span);
             }
-            layers.insert(layer, LayerLayout { layer, n_expert: n_expert as u32, parts, expert_bytes: slot_offset, class: 0 });
+            let expert_bytes = parts.iter().map(|p| p.bytes).sum();
+            layers.insert(layer, LayerLayout { layer, n_expert: n_expert as u32, parts, expert_bytes, slot_extent: slot_offset, class: 0 });
         }
-        let mut class_bytes: Vec<usize> = layers.values().map(|l| l.expert_bytes).collect();
+        let mut class_bytes: Vec<usize> = layers.values().map(|l| l.slot_extent).collect();
         class_bytes.sort_unstable();
         class_bytes.dedup();
         for l in layers.values_mut() {
-            l.class = class_bytes.binary_search(&l.expert_bytes).expect("listed size");
+            l.class = class_bytes.binary_search(&l.slot_extent).expect("listed size");
         }
         Ok(Layout { layers, class_bytes })
     }
@@ -241,7 +304,7 @@ mod tests {
         class_bytes.dedup();
         for (i, &b) in sizes.iter().enumerate() {
             let class = class_bytes.binary_search(&b).unwrap();
-            layers.insert(i as u32, LayerLayout { layer: i as u32, n_expert, parts: vec![], expert_bytes: b, class });
+            layers.insert(i as u32, LayerLayout { layer: i as u32, n_expert, parts: vec![], expert_bytes: b, slot_extent: b, class });
         }
         Layout { layers, class_bytes }
     }

@@ -77,6 +77,8 @@ struct State {
     lru: Lru,
     counts: HashMap<u32, LayerCounts>,
     bytes_read: u64,
+    /// Bytes asked of the disk: bytes_read plus direct I/O's alignment padding.
+    device_bytes: u64,
     read_ns: u64,
     /// The first error of each expert whose read failed.
     errors: HashMap<ExpertKey, String>,
@@ -92,6 +94,7 @@ struct State {
 pub struct PagerCounts {
     pub per_layer: Vec<(u32, LayerCounts)>,
     pub bytes_read: u64,
+    pub device_bytes: u64,
     pub read_seconds: f64,
     pub reads: u64,
     /// Batches of misses read in parallel (`prepare`), their bytes, and their
@@ -150,6 +153,7 @@ pub struct Pager {
 pub struct PinnedExpert<'a> {
     pager: &'a Pager,
     slot: SlotId,
+    expert: u32,
     layer: &'a LayerLayout,
 }
 
@@ -160,7 +164,8 @@ impl PinnedExpert<'_> {
         // SAFETY: the slot is pinned and published (ready), so no one writes
         // it until this pin is dropped, which outlives the returned slice.
         let bytes = unsafe { self.pager.shared.arena.slot(self.slot) };
-        &bytes[span.slot_offset..span.slot_offset + span.bytes]
+        let start = span.slot_offset + span.head(self.expert);
+        &bytes[start..start + span.bytes]
     }
 }
 
@@ -185,6 +190,7 @@ impl Pager {
             lru: Lru::new(n),
             counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
             bytes_read: 0,
+            device_bytes: 0,
             read_ns: 0,
             errors: HashMap::new(),
             batches: HashMap::new(),
@@ -342,7 +348,7 @@ impl Pager {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
                     st.lru.touch(slot);
-                    return Ok(PinnedExpert { pager: self, slot, layer: ll });
+                    return Ok(PinnedExpert { pager: self, slot, expert, layer: ll });
                 }
                 // Being read (by the readers, for this or another thread): wait.
                 if st.slots[slot].prefetched {
@@ -368,7 +374,7 @@ impl Pager {
                         if st.slots[victim].ready && st.slots[victim].key == Some(key) {
                             // The load's pin is now this acquire's.
                             st.lru.touch(victim);
-                            return Ok(PinnedExpert { pager: self, slot: victim, layer: ll });
+                            return Ok(PinnedExpert { pager: self, slot: victim, expert, layer: ll });
                         }
                         st = sh.wait(st);
                     }
@@ -388,6 +394,7 @@ impl Pager {
         PagerCounts {
             per_layer,
             bytes_read: st.bytes_read,
+            device_bytes: st.device_bytes,
             read_seconds: st.read_ns as f64 / 1e9,
             reads: self.shared.reader.reads(),
             miss_batches: st.batch_totals.0,
@@ -505,14 +512,26 @@ impl Shared {
     fn read_part(&self, job: &Job) -> Result<()> {
         let ll = &self.layout.layers[&job.layer];
         let span = &ll.parts[job.part];
+        let (offset, head, len) = (span.file_offset(job.expert), span.head(job.expert), span.read_len(job.expert));
         // SAFETY: the slot is pinned by its load and unpublished (ready ==
         // false): no victim choice takes it and every acquirer of its key
-        // waits; each part's range is given to exactly one job.
-        let buf = unsafe { self.arena.slot_range_mut(job.slot, span.slot_offset..span.slot_offset + span.bytes) };
-        let offset = span.offset + job.expert as u64 * span.bytes as u64;
+        // waits; each part's region is given to exactly one job.
+        let region = unsafe { self.arena.slot_range_mut(job.slot, span.slot_offset..span.slot_offset + len) };
+        let read = match &span.direct {
+            // The aligned superset: from the 4 KiB boundary below the range.
+            Some(direct) => match self.reader.read_direct(direct, region, offset - head as u64, head + span.bytes) {
+                Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+                    // The file system took O_DIRECT at open but not for reads.
+                    log::warn!("{}: direct read refused ({e}); reading through the page cache", span.path.display());
+                    self.reader.read_exact_at(&span.file, &mut region[head..head + span.bytes], offset)
+                }
+                r => r,
+            },
+            None => self.reader.read_exact_at(&span.file, region, offset),
+        };
         // The stamp is checked after the read: bytes read from a file that
         // changed meanwhile are never published.
-        self.reader.read_exact_at(&span.file, buf, offset).and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
+        read.and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
             Error::io(format!("reading {:?} of expert {} of layer {} (offset {offset}) from", span.part, job.expert, ll.layer), &span.path, e)
         })
     }
@@ -553,7 +572,9 @@ impl Shared {
                 s.pins -= 1;
             }
             st.lru.touch(job.slot);
-            st.bytes_read += self.layout.layers[&job.layer].expert_bytes as u64;
+            let ll = &self.layout.layers[&job.layer];
+            st.bytes_read += ll.expert_bytes as u64;
+            st.device_bytes += ll.parts.iter().map(|p| p.read_len(job.expert) as u64).sum::<u64>();
             st.read_ns += started.map_or(0, |t| t.elapsed().as_nanos() as u64);
         }
         drop(st);

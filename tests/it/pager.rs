@@ -188,6 +188,21 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     // and read ahead, and batches then use some of them.
     assert!(u(&s, "prefetched") > 0 && u(&s, "prefetch_used") > 0, "prefetch: {s}");
     assert!(u(&s, "prefetch_used") + u(&s, "prefetch_wasted") <= u(&s, "prefetched"), "{s}");
+    // Direct I/O (the default, where the file system allows) reads each part
+    // as the 4 KiB-aligned superset of its range: under 8 KiB more per part.
+    let reads = u(&s, "misses") + u(&s, "rereads") + u(&s, "prefetched");
+    let padding = u(&s, "device_bytes_read") - u(&s, "bytes_read");
+    if s["direct_io"] == true {
+        assert!(padding > 0 && padding < reads * 3 * 8192, "alignment padding {padding} B for {reads} experts: {s}");
+    } else {
+        eprintln!("NOTE: this file system refused O_DIRECT; only buffered reads were tested");
+        assert_eq!(padding, 0, "{s}");
+    }
+    let buffered = eval_env(model, "wide-paged-buffered", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_DIRECT_IO", "0")]);
+    assert_eq!(buffered.json["tokens"], stock.json["tokens"]);
+    assert_eq!(max_abs_diff(&buffered.logits, &stock.logits), 0.0);
+    let b = buffered.stats.unwrap();
+    assert!(b["direct_io"] == false && u(&b, "device_bytes_read") == u(&b, "bytes_read"), "{b}");
     // With prefetch off: the same tokens and logits, and no read ahead.
     let off = eval_env(model, "wide-paged-no-prefetch", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "0")]);
     assert_eq!(off.json["tokens"], stock.json["tokens"]);
