@@ -155,7 +155,9 @@ impl Layout {
     /// With `direct`, each file is also opened with O_DIRECT where that
     /// works (else its experts are read through the page cache, with a notice).
     pub fn build(tensors: &[PagedTensor], files: &BTreeMap<u32, PathBuf>, direct: bool) -> Result<Layout> {
-        let mut opened: BTreeMap<u32, (Arc<File>, FileStamp, Option<Arc<File>>)> = BTreeMap::new();
+        // Per file: the descriptor, its stamp, and the O_DIRECT descriptor.
+        type Opened = (Arc<File>, FileStamp, Option<Arc<File>>);
+        let mut opened: BTreeMap<u32, Opened> = BTreeMap::new();
         for (&idx, path) in files {
             let f = File::open(path).map_err(|e| Error::io("cannot open model file", path, e))?;
             let stamp = FileStamp::of(&f).map_err(|e| Error::io("cannot stat", path, e))?;
