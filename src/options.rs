@@ -22,6 +22,8 @@ pub struct Options {
     pub prefetch: Option<bool>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
     pub direct_io: Option<bool>,
+    /// Fault the whole arena in before the first token (`SDQ_POPULATE`, default off).
+    pub populate: Option<bool>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -40,6 +42,7 @@ pub const HELP: &str = "\
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
+SDQ_POPULATE=0|1         fault the whole arena in before the first token (default 0: as slots fill)
 ";
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
@@ -95,6 +98,7 @@ impl Options {
         }
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
+        o.populate = switch(&env, "SDQ_POPULATE")?;
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
         }
@@ -154,7 +158,7 @@ impl Options {
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
         }
-        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io)] {
+        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_POPULATE", self.populate)] {
             if let Some(on) = value {
                 env.push((name, if on { "1" } else { "0" }.to_string()));
             }
@@ -211,7 +215,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(false), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

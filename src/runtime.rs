@@ -224,7 +224,7 @@ impl Runtime {
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers)?;
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or(false))?;
         Ok((pager, plan))
     }
 

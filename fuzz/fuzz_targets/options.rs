@@ -6,7 +6,7 @@
 
 use libfuzzer_sys::fuzz_target;
 
-const ENV: &[&str] = &["SDQ_RAM_BUDGET", "SDQ_RESERVE_MB", "SDQ_STATS_FILE", "SDQ_FAULT_READ", "SDQ_READERS", "SDQ_PREFETCH", "SDQ_DIRECT_IO", "LLAMA_ARG_CACHE_RAM", "LLAMA_ARG_N_PARALLEL"];
+const ENV: &[&str] = &["SDQ_RAM_BUDGET", "SDQ_RESERVE_MB", "SDQ_STATS_FILE", "SDQ_FAULT_READ", "SDQ_READERS", "SDQ_PREFETCH", "SDQ_DIRECT_IO", "SDQ_POPULATE", "LLAMA_ARG_CACHE_RAM", "LLAMA_ARG_N_PARALLEL"];
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

@@ -90,6 +90,26 @@ impl Arena {
         &self.classes
     }
 
+    /// Faults in the pages of `range` (bytes from the start of class
+    /// `class`, clamped to it) without writing to them: a fresh slot's first
+    /// read then costs no page faults. Contents are unchanged, so this may
+    /// run while slots in the range are read or written.
+    pub fn populate(&self, class: usize, range: std::ops::Range<usize>) -> io::Result<()> {
+        let c = &self.classes[class];
+        let end = range.end.min(c.count * c.slot_bytes);
+        if range.start >= end {
+            return Ok(());
+        }
+        // SAFETY: the range lies inside the live mapping (clamped to the
+        // class); MADV_POPULATE_WRITE allocates missing pages, zeroed, and
+        // leaves present ones and all contents as they are.
+        let r = unsafe { libc::madvise(self.base.as_ptr().add(c.offset + range.start).cast(), end - range.start, libc::MADV_POPULATE_WRITE) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Total bytes mapped.
     pub fn len(&self) -> usize {
         self.len

@@ -203,6 +203,14 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     assert_eq!(max_abs_diff(&buffered.logits, &stock.logits), 0.0);
     let b = buffered.stats.unwrap();
     assert!(b["direct_io"] == false && u(&b, "device_bytes_read") == u(&b, "bytes_read"), "{b}");
+    // SDQ_POPULATE=1 faults the whole arena in first: the same answer, and
+    // anonymous memory holds the arena before any expert fills it.
+    let populated = eval_env(model, "wide-paged-populated", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_POPULATE", "1")]);
+    assert_eq!(populated.json["tokens"], stock.json["tokens"]);
+    assert_eq!(max_abs_diff(&populated.logits, &stock.logits), 0.0);
+    let p = populated.stats.unwrap();
+    assert!(u(&p, "peak_rss_anon_bytes") >= u(&p, "rss_anon_after_load_bytes") + u(&p, "arena_bytes") * 9 / 10, "arena not populated: {p}");
+    assert!(sanitized() || u(&p, "peak_rss_anon_bytes") <= budget, "populated arena over budget: {p}");
     // With prefetch off: the same tokens and logits, and no read ahead.
     let off = eval_env(model, "wide-paged-no-prefetch", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "0")]);
     assert_eq!(off.json["tokens"], stock.json["tokens"]);
