@@ -158,9 +158,12 @@ impl Runtime {
     }
 
     /// The next layer after `layer` with paged experts, and its router, if
-    /// prefetching is on and the loader reported one.
+    /// prefetching is on and the loader reported one. Once the pager exists
+    /// and its arena has a slot for every expert, there is nothing to evict
+    /// and so nothing to predict: graphs built from then on skip it (the
+    /// prediction reads the next layer's router a second time per token).
     pub fn next_router(&self, layer: u32) -> Option<(u32, usize)> {
-        if !self.options.prefetch.unwrap_or(true) {
+        if !self.options.prefetch.unwrap_or(true) || self.pager.get().is_some_and(|(p, _)| p.holds_every_expert()) {
             return None;
         }
         let r = self.lock_registry();

@@ -227,6 +227,13 @@ impl Pager {
         &self.shared.layout
     }
 
+    /// True if every class has a slot for each expert of its layers.
+    pub fn holds_every_expert(&self) -> bool {
+        let layers = self.shared.layout.layers_per_class();
+        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= l * n_expert)
+    }
+
     pub fn arena(&self) -> &Arena {
         &self.shared.arena
     }
