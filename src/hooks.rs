@@ -226,8 +226,8 @@ extern "C" fn mul_mat_id(
             // SAFETY: the tensors come from llama.cpp's graph (above).
             args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         }
-        // SAFETY: ctx is the graph's context; args are 3 valid tensors; the
-        // callback and its leaked userdata live for the whole process.
+        // SAFETY: ctx is the graph's context; args are 3 or 4 valid tensors;
+        // the callback and its leaked userdata live for the whole process.
         unsafe {
             sys::ggml_custom_4d(
                 ctx,

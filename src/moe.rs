@@ -84,9 +84,11 @@ pub unsafe extern "C" fn predict_next(dst: *mut sys::ggml_tensor, ith: c_int, _n
             (std::slice::from_raw_parts(l.data as *const f32, n), l.ne[0] as usize, l.ne[1] as usize, &*(userdata as *const Predictor))
         };
         let mut score: HashMap<u32, (usize, f32)> = HashMap::new();
+        let mut order: Vec<usize> = Vec::with_capacity(n_expert);
         for t in 0..n_tokens {
             let row = &logits[t * n_expert..(t + 1) * n_expert];
-            let mut order: Vec<usize> = (0..n_expert).collect();
+            order.clear();
+            order.extend(0..n_expert);
             let k = op.top_k.min(n_expert);
             order.select_nth_unstable_by(k.saturating_sub(1), |&a, &b| row[b].total_cmp(&row[a]));
             for &e in &order[..k] {

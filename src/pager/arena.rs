@@ -90,20 +90,13 @@ impl Arena {
         &self.classes
     }
 
-    /// Faults in the pages of `range` (bytes from the start of class
-    /// `class`, clamped to it) without writing to them: a fresh slot's first
-    /// read then costs no page faults. Contents are unchanged, so this may
-    /// run while slots in the range are read or written.
-    pub fn populate(&self, class: usize, range: std::ops::Range<usize>) -> io::Result<()> {
-        let c = &self.classes[class];
-        let end = range.end.min(c.count * c.slot_bytes);
-        if range.start >= end {
-            return Ok(());
-        }
-        // SAFETY: the range lies inside the live mapping (clamped to the
-        // class); MADV_POPULATE_WRITE allocates missing pages, zeroed, and
-        // leaves present ones and all contents as they are.
-        let r = unsafe { libc::madvise(self.base.as_ptr().add(c.offset + range.start).cast(), end - range.start, libc::MADV_POPULATE_WRITE) };
+    /// Faults in every page of the mapping without writing to it: a fresh
+    /// slot's first read then costs no page faults. Contents are unchanged.
+    pub fn populate(&self) -> io::Result<()> {
+        // SAFETY: base/len are the live mapping; MADV_POPULATE_WRITE
+        // allocates missing pages, zeroed, and leaves present ones and all
+        // contents as they are.
+        let r = unsafe { libc::madvise(self.base.as_ptr().cast(), self.len, libc::MADV_POPULATE_WRITE) };
         if r != 0 {
             return Err(io::Error::last_os_error());
         }

@@ -118,6 +118,15 @@ pub enum Count {
     Nothing,
 }
 
+/// Which of the queue's lanes a job goes to.
+#[derive(Clone, Copy)]
+enum Lane {
+    /// A batch waits for it.
+    Demand,
+    /// A prefetch: read only when no demand read waits.
+    Spare,
+}
+
 /// Read jobs: demand reads (a batch waits for them) first, then prefetches.
 #[derive(Default)]
 struct Queue {
@@ -302,22 +311,20 @@ impl Pager {
             st.batches.insert(id, (bytes, jobs.len() as u32, Instant::now()));
         }
         drop(st);
-        sh.submit(jobs);
+        sh.submit(jobs, Lane::Demand);
         Ok(deferred)
     }
 
     /// Starts reading the experts of `layer` in `experts` (best first) that
     /// are not in the arena, at low priority, while layer `current` is being
     /// computed. A victim must be unpinned and hold no expert of `current` or
-    /// `layer`; it stops at the first expert with no such slot. Returns how
-    /// many reads it started.
-    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) -> usize {
+    /// `layer`; it stops at the first expert with no such slot.
+    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
         let sh = &*self.shared;
-        let Some(ll) = sh.layout.layers.get(&layer) else { return 0 };
+        let Some(ll) = sh.layout.layers.get(&layer) else { return };
         let class = sh.arena.classes()[ll.class].slots();
         let mut jobs = Vec::new();
         let mut st = sh.lock();
-        let mut started = 0;
         for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
             if st.table.contains_key(&(layer, e)) {
                 continue;
@@ -330,11 +337,9 @@ impl Pager {
             jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
             st.slots[slot].prefetched = true;
             st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
-            started += 1;
         }
         drop(st);
-        sh.submit_spare(jobs);
-        started
+        sh.submit(jobs, Lane::Spare);
     }
 
     /// The first of `candidates` (index, expert) whose expert of `layer` is
@@ -377,7 +382,7 @@ impl Pager {
                     }
                     let jobs = sh.start_load(&mut st, victim, ll, expert, true);
                     drop(st);
-                    sh.submit(jobs);
+                    sh.submit(jobs, Lane::Demand);
                     st = sh.lock();
                     loop {
                         if let Some(msg) = st.errors.get(&key) {
@@ -462,12 +467,17 @@ impl Shared {
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
     }
 
-    fn submit(&self, jobs: Vec<Job>) {
+    fn submit(&self, jobs: Vec<Job>, lane: Lane) {
         if jobs.is_empty() {
             return;
         }
         let n = jobs.len();
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).demand.extend(jobs);
+        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        match lane {
+            Lane::Demand => q.demand.extend(jobs),
+            Lane::Spare => q.spare.extend(jobs),
+        }
+        drop(q);
         // One reader per job: waking all of them on a 2-core machine takes
         // the cores from ggml's threads for nothing.
         for _ in 0..n {
@@ -485,26 +495,12 @@ impl Shared {
     /// the whole arena, so this holds nothing it did not grant.
     fn populate(&self) {
         let started = Instant::now();
-        for class in 0..self.arena.classes().len() {
-            if let Err(e) = self.arena.populate(class, 0..usize::MAX) {
-                // Kernels before 5.14 lack MADV_POPULATE_WRITE: slots fault on first use.
-                log::info!("arena not populated ahead of use: {e}");
-                return;
-            }
-        }
-        log::info!("arena of {} populated in {:.1} s", crate::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
-    }
-
-    /// Queues prefetch reads, behind every demand read.
-    fn submit_spare(&self, jobs: Vec<Job>) {
-        if jobs.is_empty() {
+        if let Err(e) = self.arena.populate() {
+            // Kernels before 5.14 lack MADV_POPULATE_WRITE: slots fault on first use.
+            log::info!("arena not populated ahead of use: {e}");
             return;
         }
-        let n = jobs.len();
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).spare.extend(jobs);
-        for _ in 0..n {
-            self.queued.notify_one();
-        }
+        log::info!("arena of {} populated in {:.1} s", crate::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
     }
 
     /// Moves the queued prefetch reads of `slot` ahead of every other read:
