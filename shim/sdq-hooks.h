@@ -68,6 +68,22 @@ const struct sdq_hooks * sdq_get_hooks(void);
 /* True if `t` lives in the installed table's paged buffer type. */
 bool sdq_is_paged_tensor(const struct ggml_tensor * t);
 
+/* Scratch bytes (64-byte aligned by the caller) that sdq_expert_tiled needs
+ * for an expert matmul `dst` (built as ggml_mul_mat_id's shape, src = as, b,
+ * ids); 0 when ggml-cpu's tiled kernel cannot take its weight type here. */
+size_t sdq_expert_tiled_scratch(const struct ggml_tensor * dst);
+
+/* Multiplies one expert, whose bytes are at `weights`, for `n_rows` routed
+ * rows ((slot, token) int32 pairs in `rows`) with ggml-cpu's tiled kernel, on
+ * the calling thread alone, writing those rows of dst. `activations` holds b
+ * converted to the weight's vec_dot type, one row per (b row, token) as
+ * stock's mul_mat_id lays it out. Returns false, computing nothing, where
+ * stock would not take the tiled kernel either (type, batch floor,
+ * GGML_CPU_TILED_MM=0). */
+bool sdq_expert_tiled(const struct ggml_tensor * dst, const void * weights,
+                      const void * activations, size_t activations_size,
+                      int64_t n_rows, const int32_t * rows, void * scratch);
+
 /* Drops [offset, offset+length) of file `fd` from the page cache (where the
  * platform allows). */
 void sdq_drop_cached(int fd, uint64_t offset, uint64_t length);

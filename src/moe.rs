@@ -31,6 +31,7 @@ use crate::sys;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// What one paged matmul needs, fixed when the graph is built (graphs are
@@ -107,16 +108,127 @@ pub unsafe extern "C" fn predict_next(dst: *mut sys::ggml_tensor, ith: c_int, _n
     }
 }
 
-/// The (slot k, token t) pairs one expert serves.
-type Uses = Vec<(i64, i64)>;
+/// The (slot k, token t) pairs one expert serves, flattened as ggml's
+/// mul_mat_id row table (`[k0, t0, k1, t1, …]`), which the tiled kernel reads.
+type Uses = Vec<i32>;
+
+/// A batch's activations, converted once to the weights' `vec_dot_type` by
+/// all of the call's threads together, one row per (b row, token) in the
+/// layout stock's mul_mat_id uses (row t·ne11 + i11), which is what its
+/// tiled kernel reads.
+struct Activations {
+    /// Written through `base` while converting, read-only after.
+    buf: Vec<u8>,
+    base: *mut u8,
+    row_bytes: usize,
+    rows: usize,
+    /// The next row nobody has claimed to convert.
+    next: AtomicUsize,
+    /// Rows converted.
+    done: AtomicUsize,
+}
+
+// SAFETY: rows are written only by the thread that claimed them (through
+// `next`) and read only after `done` says every row is written.
+unsafe impl Sync for Activations {}
+// SAFETY: as above; the buffer is owned.
+unsafe impl Send for Activations {}
+
+/// Rows converted per claim.
+const CONVERT_CHUNK: usize = 8;
+
+/// Conversion buffers of finished calls, reused so a batch does not fault in
+/// fresh memory for every matmul.
+fn spare_buffers() -> &'static Mutex<Vec<Vec<u8>>> {
+    static B: OnceLock<Mutex<Vec<Vec<u8>>>> = OnceLock::new();
+    B.get_or_init(Default::default)
+}
+
+impl Activations {
+    fn new(row_bytes: usize, rows: usize) -> Activations {
+        let len = row_bytes * rows;
+        let mut buf = {
+            let mut spare = spare_buffers().lock().unwrap_or_else(|p| p.into_inner());
+            let best = spare.iter().position(|b| b.capacity() >= len);
+            best.map(|i| spare.swap_remove(i)).or_else(|| spare.pop()).unwrap_or_default()
+        };
+        buf.resize(len, 0);
+        let base = buf.as_mut_ptr();
+        Activations { buf, base, row_bytes, rows, next: AtomicUsize::new(0), done: AtomicUsize::new(0) }
+    }
+
+    /// Converts rows until none is left to claim, then waits for the rows
+    /// other threads claimed.
+    ///
+    /// # Safety
+    /// `b` must be the batch's F32 tensor [cols, ne11, n_tokens] with
+    /// contiguous rows, ne11 · n_tokens = `self.rows`, and `kernels`' rows
+    /// of `cols` values `row_bytes` long.
+    unsafe fn convert(&self, b: &sys::ggml_tensor, kernels: &DotKernels) {
+        let (cols, ne11) = (b.ne[0] as usize, b.ne[1] as usize);
+        loop {
+            let first = self.next.fetch_add(CONVERT_CHUNK, Ordering::Relaxed);
+            if first >= self.rows {
+                break;
+            }
+            let end = (first + CONVERT_CHUNK).min(self.rows);
+            for row in first..end {
+                // SAFETY: row < rows = ne11 · n_tokens, so (t, i11) is a row
+                // of b; this thread alone claimed `row` of the buffer, which
+                // holds rows · row_bytes bytes.
+                let (src, dst) = unsafe {
+                    let p = (b.data as *const u8).add((row / ne11) * b.nb[2] + (row % ne11) * b.nb[1]);
+                    (std::slice::from_raw_parts(p as *const f32, cols), std::slice::from_raw_parts_mut(self.base.add(row * self.row_bytes), self.row_bytes))
+                };
+                kernels.convert_activation(src, dst);
+            }
+            self.done.fetch_add(end - first, Ordering::Release);
+        }
+        let mut spins = 0u32;
+        while self.done.load(Ordering::Acquire) < self.rows {
+            spins += 1;
+            if spins < 1000 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// The converted row for slot k of token t (after `convert`).
+    fn row(&self, k: i32, t: i32, ne11: i64) -> &[u8] {
+        let row = t as usize * ne11 as usize + (k as i64 % ne11) as usize;
+        &self.buf[row * self.row_bytes..(row + 1) * self.row_bytes]
+    }
+}
+
+impl Drop for Activations {
+    fn drop(&mut self) {
+        let buf = std::mem::take(&mut self.buf);
+        let mut spare = spare_buffers().lock().unwrap_or_else(|p| p.into_inner());
+        // One buffer per concurrent call is plenty (a server runs one graph at a time).
+        if spare.len() < 4 {
+            spare.push(buf);
+        }
+    }
+}
+
+/// What every thread of one call shares, fixed when the call starts.
+struct Batch {
+    /// The batch's experts in ascending order, with their uses.
+    experts: Vec<(u32, Uses)>,
+    acts: Activations,
+}
 
 /// One call of a paged matmul (one graph node, all of ggml's threads): the
-/// batch's experts and which are taken. The first thread to arrive creates it,
-/// the last to leave removes it; ggml does not start the node again before
-/// every thread has left it.
+/// batch and which of its experts are taken. The first thread to arrive
+/// creates it, the last to leave removes it; ggml does not start the node
+/// again before every thread has left it.
 struct Call {
-    experts: Vec<(i32, Arc<Uses>)>,
+    batch: Arc<Batch>,
     taken: Vec<bool>,
+    /// Every expert before this index is taken.
+    first_open: usize,
     /// Misses `prepare` found no slot for: their acquire reads them.
     deferred: HashSet<u32>,
     left: usize,
@@ -131,10 +243,24 @@ fn calls() -> &'static Mutex<HashMap<usize, Call>> {
 /// 2048-wide Q4_K expert are 18 KiB, which stays in L1.
 const ROW_BLOCK: usize = 16;
 
+/// The tiled kernel's per-thread workspace, 64-byte aligned.
+struct Scratch {
+    buf: Vec<u8>,
+}
+
+impl Scratch {
+    fn get(&mut self, bytes: usize) -> *mut u8 {
+        if self.buf.len() < bytes + 64 {
+            self.buf = vec![0; bytes + 64];
+        }
+        let p = self.buf.as_mut_ptr();
+        // SAFETY: the offset is under 64 and the buffer has 64 bytes of slack.
+        unsafe { p.add(p.align_offset(64)) }
+    }
+}
+
 thread_local! {
-    /// Converted activation rows (one per use of the expert being computed),
-    /// reused across calls on this thread.
-    static ACTIVATION: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
+    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { buf: Vec::new() }) };
 }
 
 /// Reads `ids[k, t]` (an I32 view that may be non-contiguous).
@@ -169,40 +295,58 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     // SAFETY: src[0..3] were set by ggml_custom_4d from the hook's arguments.
     let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
     let (cols, rows) = (w.ne[0], w.ne[1]);
-    let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
-    let pager = rt.pager(n_used as usize);
+    let pager = rt.pager(ids.ne[0] as usize);
     if op.counts_tokens && ith == 0 {
-        rt.count_tokens(n_tokens as u64);
+        rt.count_tokens(ids.ne[1] as u64);
     }
-
     let kernels = &op.kernels;
-    let act_bytes = kernels.activation_row_bytes(cols as usize);
     let key = dst as *const sys::ggml_tensor as usize;
-    ACTIVATION.with_borrow_mut(|acts| {
-        // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call.
-        while let Some((e, uses, count)) = unsafe { next_expert(key, nth, op, ids, pager) } {
-            // Every use's activation row, converted once, before the expert is pinned.
-            acts.resize(act_bytes * uses.len(), 0);
-            for (&(k, t), act) in uses.iter().zip(acts.chunks_exact_mut(act_bytes)) {
-                // SAFETY: b is F32 [cols, b.ne1, n_tokens] with contiguous rows
-                // (checked when the op was built); k % ne1 and t are in range.
-                let b_row = unsafe {
-                    let p = (b.data as *const u8).add(t as usize * b.nb[2] + (k % b.ne[1]) as usize * b.nb[1]);
-                    std::slice::from_raw_parts(p as *const f32, cols as usize)
-                };
-                kernels.convert_activation(b_row, act);
-            }
+    // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call.
+    let batch = unsafe { join(key, op, ids, b, pager) };
+    // SAFETY: b is F32 [cols, b.ne1, n_tokens] with contiguous rows (checked
+    // when the op was built), and the buffer was sized from it.
+    unsafe { batch.acts.convert(b, kernels) };
+    // SAFETY: dst is the op as built: ggml_mul_mat_id's shape with src = as, b, ids.
+    let tiled_bytes = unsafe { sys::sdq_expert_tiled_scratch(dst) };
+    SCRATCH.with_borrow_mut(|scratch| {
+        while let Some((i, count)) = next_expert(key, nth, op, pager) {
+            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
             let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
             let weights = expert.part(op.part);
+            // Where stock would (8+ rows of a tiled type), ggml's tiled kernel
+            // computes the whole expert on this thread: the same bits as
+            // stock's threads computing it together.
+            // SAFETY: weights is this expert's part, rows × row bytes as the
+            // weight tensor describes; the activations are converted (above)
+            // in stock's layout; uses are (k, t) pairs within dst, whose
+            // rows belong to expert e alone, and e to this thread alone; the
+            // scratch holds tiled_bytes, 64-byte aligned.
+            if tiled_bytes > 0
+                && unsafe {
+                    sys::sdq_expert_tiled(
+                        dst,
+                        weights.as_ptr().cast(),
+                        batch.acts.buf.as_ptr().cast(),
+                        batch.acts.buf.len(),
+                        (uses.len() / 2) as i64,
+                        uses.as_ptr(),
+                        scratch.get(tiled_bytes).cast(),
+                    )
+                }
+            {
+                continue;
+            }
             let row_bytes = weights.len() / rows as usize;
             // A block of weight rows stays in cache while every use of the
             // expert is multiplied with it: the weights are streamed from
             // memory once per batch, not once per token. Each value is still
-            // one vec_dot of one row and one activation, so no bit changes.
+            // one vec_dot of one row and one activation, as stock computes it.
             for first in (0..rows as usize).step_by(ROW_BLOCK) {
                 let block = first..(first + ROW_BLOCK).min(rows as usize);
-                for (&(k, t), act) in uses.iter().zip(acts.chunks_exact(act_bytes)) {
+                for kt in uses.chunks_exact(2) {
+                    let (k, t) = (kt[0], kt[1]);
+                    let act = batch.acts.row(k, t, b.ne[1]);
                     // SAFETY: dst is F32 [rows, n_used, n_tokens], contiguous;
                     // the row (k, t) belongs to expert e alone, and e to this
                     // thread alone.
@@ -220,13 +364,13 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     });
 }
 
-/// The next expert of call `key` for this thread to compute, with its uses
-/// and how its acquire counts; None when every expert is taken (and this
-/// thread leaves the call).
+/// This thread's view of call `key`, which the first thread to arrive
+/// creates: it groups the routing by expert, and in a layer's first matmul
+/// hands the batch's misses to the readers and starts the prefetch.
 ///
 /// # Safety
-/// `ids` must be this call's valid I32 routing tensor.
-unsafe fn next_expert(key: usize, nth: usize, op: &PagedMatmul, ids: &sys::ggml_tensor, pager: &Pager) -> Option<(u32, Arc<Uses>, Count)> {
+/// `ids` must be this call's valid I32 routing tensor and `b` its input.
+unsafe fn join(key: usize, op: &PagedMatmul, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.entry(key).or_insert_with(|| {
         let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
@@ -234,10 +378,10 @@ unsafe fn next_expert(key: usize, nth: usize, op: &PagedMatmul, ids: &sys::ggml_
             for k in 0..ids.ne[0] {
                 // SAFETY: k < ne0 and t < ne1 of ids (this function's contract).
                 let e = unsafe { expert_id(ids, k, t) };
-                by_expert.entry(e).or_default().push((k, t));
+                by_expert.entry(e).or_default().extend([k as i32, t as i32]);
             }
         }
-        if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0 || e as u64 >= u32::MAX as u64) {
+        if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0) {
             fatal(&format!("{}: router selected expert {e}", op.name));
         }
         // ggml runs a layer's gate (or fused gate_up) matmul first: it is
@@ -254,17 +398,30 @@ unsafe fn next_expert(key: usize, nth: usize, op: &PagedMatmul, ids: &sys::ggml_
         } else {
             HashSet::new()
         };
-        let experts: Vec<(i32, Arc<Uses>)> = by_expert.into_iter().map(|(e, u)| (e, Arc::new(u))).collect();
-        Call { taken: vec![false; experts.len()], experts, deferred, left: 0 }
+        let experts: Vec<(u32, Uses)> = by_expert.into_iter().map(|(e, u)| (e as u32, u)).collect();
+        let acts = Activations::new(op.kernels.activation_row_bytes(b.ne[0] as usize), (b.ne[1] * b.ne[2]) as usize);
+        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, acts }), first_open: 0, deferred, left: 0 }
     });
-    let open = || (0..call.experts.len()).filter(|&i| !call.taken[i]);
-    let pick = pager.first_ready(op.layer, open().map(|i| (i, call.experts[i].0 as u32))).or_else(|| open().next());
+    Arc::clone(&call.batch)
+}
+
+/// The index of the next expert of call `key` for this thread to compute
+/// (preferring one already in the arena), and how its acquire counts; None
+/// when every expert is taken (and this thread leaves the call).
+fn next_expert(key: usize, nth: usize, op: &PagedMatmul, pager: &Pager) -> Option<(usize, Count)> {
+    let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+    let call = calls.get_mut(&key).unwrap_or_else(|| fatal("paged matmul call left before its threads"));
+    while call.first_open < call.taken.len() && call.taken[call.first_open] {
+        call.first_open += 1;
+    }
+    let experts = &call.batch.experts;
+    let open = (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
+    let pick = pager.first_ready(op.layer, open.map(|i| (i, experts[i].0))).or_else(|| (call.first_open < experts.len()).then_some(call.first_open));
     match pick {
         Some(i) => {
             call.taken[i] = true;
-            let e = call.experts[i].0 as u32;
-            let count = if call.deferred.contains(&e) { Count::Nothing } else { Count::Later };
-            Some((e, Arc::clone(&call.experts[i].1), count))
+            let count = if call.deferred.contains(&experts[i].0) { Count::Nothing } else { Count::Later };
+            Some((i, count))
         }
         None => {
             call.left += 1;
