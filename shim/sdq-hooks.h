@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 4
+#define SDQ_HOOKS_VERSION 5
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -56,6 +56,15 @@ struct sdq_hooks {
      * router-weighted sum) stays llama.cpp's own graph. */
     struct ggml_tensor * (*mul_mat_id)(void * user_data, struct ggml_context * ctx,
                                        struct ggml_tensor * as, struct ggml_tensor * b, struct ggml_tensor * ids);
+
+    /* Graph: the routed experts of one MoE layer with SwiGLU and no biases,
+     * scales or LoRA, all paged: down(silu(gate(b)) * up(b)) for each
+     * selected expert, [down->ne[1], ids->ne[0], b->ne[2]] F32, before the
+     * router weights (which stay llama.cpp's ops). b is [n_embd, 1, n_tokens].
+     * NULL leaves the layer to three mul_mat_id calls. */
+    struct ggml_tensor * (*moe_experts)(void * user_data, struct ggml_context * ctx,
+                                        struct ggml_tensor * gate, struct ggml_tensor * up, struct ggml_tensor * down,
+                                        struct ggml_tensor * b, struct ggml_tensor * ids);
 };
 
 /* Install (or, with NULL, remove) the hook table. The table must outlive every
@@ -69,20 +78,25 @@ const struct sdq_hooks * sdq_get_hooks(void);
 bool sdq_is_paged_tensor(const struct ggml_tensor * t);
 
 /* Scratch bytes (64-byte aligned by the caller) that sdq_expert_tiled needs
- * for an expert matmul `dst` (built as ggml_mul_mat_id's shape, src = as, b,
- * ids); 0 when ggml-cpu's tiled kernel cannot take its weight type here. */
-size_t sdq_expert_tiled_scratch(const struct ggml_tensor * dst);
+ * for experts of paged weight `weight`; 0 when ggml-cpu's tiled kernel cannot
+ * take its type here. */
+size_t sdq_expert_tiled_scratch(const struct ggml_tensor * weight);
 
-/* Multiplies one expert, whose bytes are at `weights`, for `n_rows` routed
- * rows ((slot, token) int32 pairs in `rows`) with ggml-cpu's tiled kernel, on
- * the calling thread alone, writing those rows of dst. `activations` holds b
- * converted to the weight's vec_dot type, one row per (b row, token) as
- * stock's mul_mat_id lays it out. Returns false, computing nothing, where
- * stock would not take the tiled kernel either (type, batch floor,
- * GGML_CPU_TILED_MM=0). */
-bool sdq_expert_tiled(const struct ggml_tensor * dst, const void * weights,
-                      const void * activations, size_t activations_size,
-                      int64_t n_rows, const int32_t * rows, void * scratch);
+/* Multiplies one expert of paged weight `weight` (its type and rows), whose
+ * bytes are at `data`, for `n_rows` routed rows with ggml-cpu's tiled kernel,
+ * on the calling thread alone. Routed row i is the pair (k, t) = (rows[2i],
+ * rows[2i+1]): it multiplies activation row t*b_ne1 + k%b_ne1 of
+ * `activations` (converted to the weight's vec_dot type, stock's mul_mat_id
+ * layout) into the floats at out + k*out_nb1 + t*out_nb2 (bytes). Returns
+ * false, computing nothing, where stock would not take the tiled kernel
+ * either (type, fewer than 8 rows, GGML_CPU_TILED_MM=0). */
+bool sdq_expert_tiled(const struct ggml_tensor * weight, const void * data,
+                      int64_t b_ne1, const void * activations, size_t activations_size,
+                      int64_t n_rows, const int32_t * rows,
+                      float * out, size_t out_nb1, size_t out_nb2, void * scratch);
+
+/* y = silu(gate) * up over n values: ggml-cpu's SwiGLU row kernel. */
+void sdq_swiglu(int n, float * y, const float * gate, const float * up);
 
 /* Drops [offset, offset+length) of file `fd` from the page cache (where the
  * platform allows). */

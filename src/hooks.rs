@@ -4,7 +4,7 @@
 
 use crate::backend;
 use crate::ggml::{DotKernels, GgmlType};
-use crate::moe::{self, PagedMatmul, Predictor};
+use crate::moe::{self, PagedExperts, PagedMatmul, Predictor};
 use crate::pager::layout::{Part, PagedTensor};
 use crate::runtime::{self, fatal};
 use crate::sys;
@@ -37,6 +37,7 @@ pub fn install() {
             resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
             mul_mat_id: Some(mul_mat_id),
+            moe_experts: Some(moe_experts),
         })
     });
     // SAFETY: the table is static, so it outlives every model.
@@ -130,6 +131,18 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
             kernels,
             counts_tokens: part == Part::Down && layer == first_layer,
         }))
+    })
+}
+
+/// One `PagedExperts` per layer, kept for the process's lifetime.
+fn paged_experts(name: &str, layer: u32, kernels: [DotKernels; 3]) -> &'static PagedExperts {
+    static OPS: OnceLock<Mutex<HashMap<u32, &'static PagedExperts>>> = OnceLock::new();
+    let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    ops.entry(layer).or_insert_with(|| {
+        let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
+        let [gate, up, down] = kernels;
+        log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op");
+        Box::leak(Box::new(PagedExperts { name: name.to_string(), layer, gate, up, down, counts_tokens: layer == first_layer }))
     })
 }
 
@@ -241,6 +254,74 @@ extern "C" fn mul_mat_id(
                 Some(moe::paged_mul_mat_id),
                 -1, // GGML_N_TASKS_MAX: every thread of the graph
                 op as *const PagedMatmul as *mut c_void,
+            )
+        }
+    })
+}
+
+extern "C" fn moe_experts(
+    _: *mut c_void,
+    ctx: *mut sys::ggml_context,
+    gate: *mut sys::ggml_tensor,
+    up: *mut sys::ggml_tensor,
+    down: *mut sys::ggml_tensor,
+    b: *mut sys::ggml_tensor,
+    ids: *mut sys::ggml_tensor,
+) -> *mut sys::ggml_tensor {
+    guard("moe_experts", || {
+        // SAFETY: llama.cpp passes valid tensors of the graph being built.
+        let (gt, ut, dt, bt, it) = unsafe { (&*gate, &*up, &*down, &*b, &*ids) };
+        // SAFETY: as above.
+        let (names, paged) = unsafe {
+            ([tensor_name(gate), tensor_name(up), tensor_name(down)], [gate, up].iter().all(|&t| sys::sdq_is_paged_tensor(t)))
+        };
+        let parts: Vec<_> = names.iter().map(|n| Part::from_tensor_name(n)).collect();
+        let layer = match parts[..] {
+            [Some((l, Part::Gate)), Some((lu, Part::Up)), Some((ld, Part::Down))] if l == lu && l == ld => l,
+            _ => return std::ptr::null_mut(),
+        };
+        let kernels = [gt, ut, dt].map(|t| DotKernels::for_type(GgmlType(t.type_)));
+        let [Some(kg), Some(ku), Some(kd)] = kernels else { return std::ptr::null_mut() };
+        // Anything else is left to the three matmuls, which check (and
+        // report) their own shapes.
+        // SAFETY: b is valid (above).
+        let fits = paged
+            && bt.type_ == sys::GGML_TYPE_F32
+            && unsafe { sys::ggml_is_contiguous(b) }
+            && bt.ne[1] == 1
+            && bt.ne[3] == 1
+            && it.type_ == sys::GGML_TYPE_I32
+            && it.ne[1] == bt.ne[2]
+            && gt.ne[0] == bt.ne[0]
+            && ut.ne[0] == bt.ne[0]
+            && gt.ne[1] == ut.ne[1]
+            && dt.ne[0] == gt.ne[1]
+            && kg.activation == ku.activation;
+        if !fits {
+            return std::ptr::null_mut();
+        }
+        let op = paged_experts(&names[2], layer, [kg, ku, kd]);
+        let mut args = vec![gate, up, down, b, ids];
+        // The prediction is a source the op does not read: ggml computes it
+        // just before the layer's experts, once routing is known (see
+        // mul_mat_id).
+        // SAFETY: the tensors come from llama.cpp's graph (above).
+        args.extend(unsafe { build_prediction(ctx, layer, b, it) });
+        // SAFETY: ctx is the graph's context; args are 5 or 6 valid tensors;
+        // the callback and its leaked userdata live for the whole process.
+        unsafe {
+            sys::ggml_custom_4d(
+                ctx,
+                sys::GGML_TYPE_F32,
+                dt.ne[1],
+                it.ne[0],
+                bt.ne[2],
+                1,
+                args.as_mut_ptr(),
+                args.len() as i32,
+                Some(moe::paged_moe_experts),
+                -1, // GGML_N_TASKS_MAX: every thread of the graph
+                op as *const PagedExperts as *mut c_void,
             )
         }
     })

@@ -1,13 +1,17 @@
-//! Expert compute: the ggml custom op that replaces `ggml_mul_mat_id` for a
-//! paged expert weight. It multiplies exactly as ggml's CPU mul_mat_id does
-//! without repacking (each activation row converted with `from_float` to the
-//! weight's `vec_dot_type`, then one `vec_dot` per output value), so results
-//! match that path bit for bit; the weights come from pinned arena slots.
+//! Expert compute: the ggml custom ops that replace a paged layer's expert
+//! matmuls. `paged_moe_experts` takes a whole layer with SwiGLU (gate, up,
+//! SwiGLU and down per expert, so a batch pins and reads each expert once);
+//! `paged_mul_mat_id` replaces one `ggml_mul_mat_id` for any other layer.
+//! Both multiply exactly as ggml's CPU mul_mat_id does without repacking:
+//! the batch's activations converted once to the weight's `vec_dot_type`,
+//! then, per expert, ggml's tiled kernel where stock takes it (8 or more
+//! rows of a tiled type) and one `vec_dot` per value elsewhere; so results
+//! match that path bit for bit, with the weights from pinned arena slots.
 //!
 //! Work is split by expert, claimed dynamically: each of ggml's threads takes
 //! the next expert nobody has taken, preferring one already in the arena,
 //! pins it, computes all of its tokens and releases it at once. In a layer's
-//! first matmul the first thread to arrive hands all of the batch's misses to
+//! first op the first thread to arrive hands all of the batch's misses to
 //! the pager's readers at once (`Pager::prepare`), so they are read in
 //! parallel while resident experts are computed, and each missing expert is
 //! computed as soon as it is read. Each output value belongs to one (token,
@@ -20,7 +24,7 @@
 //! expert input (`predict_next`: the next layer's router applied to it) and
 //! read ahead at low priority once this layer's own misses are submitted.
 //!
-//! This is an FFI entry point (ggml calls it on its worker threads): tensor
+//! These are FFI entry points (ggml calls them on its worker threads): tensor
 //! access here is raw, with each block's invariant stated.
 
 use crate::ggml::DotKernels;
@@ -43,6 +47,20 @@ pub struct PagedMatmul {
     pub part: Part,
     pub kernels: DotKernels,
     /// True for the first paged layer's down projection: it counts tokens.
+    pub counts_tokens: bool,
+}
+
+/// What one layer's fused expert op (gate, up, SwiGLU and down per expert)
+/// needs, fixed when the graph is built.
+#[derive(Debug)]
+pub struct PagedExperts {
+    /// The layer's down tensor, for messages.
+    pub name: String,
+    pub layer: u32,
+    pub gate: DotKernels,
+    pub up: DotKernels,
+    pub down: DotKernels,
+    /// True for the first paged layer: it counts tokens.
     pub counts_tokens: bool,
 }
 
@@ -194,12 +212,6 @@ impl Activations {
             }
         }
     }
-
-    /// The converted row for slot k of token t (after `convert`).
-    fn row(&self, k: i32, t: i32, ne11: i64) -> &[u8] {
-        let row = t as usize * ne11 as usize + (k as i64 % ne11) as usize;
-        &self.buf[row * self.row_bytes..(row + 1) * self.row_bytes]
-    }
 }
 
 impl Drop for Activations {
@@ -259,8 +271,98 @@ impl Scratch {
     }
 }
 
+/// One thread's buffers for the fused op: one expert's routed rows and its
+/// intermediate products, reused from expert to expert.
+#[derive(Default)]
+struct Fused {
+    /// (use j, token t) pairs for gate and up, then (j, j) for down.
+    rows: Vec<i32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// SwiGLU of gate and up, then converted to down's activation type.
+    act: Vec<f32>,
+    act_q: Vec<u8>,
+    out: Vec<f32>,
+}
+
+struct Workspace {
+    tiled: Scratch,
+    fused: Fused,
+}
+
 thread_local! {
-    static SCRATCH: RefCell<Scratch> = const { RefCell::new(Scratch { buf: Vec::new() }) };
+    static WORKSPACE: RefCell<Workspace> = RefCell::new(Workspace { tiled: Scratch { buf: Vec::new() }, fused: Fused::default() });
+}
+
+/// One expert's product with its routed rows: for each pair (k, t) of
+/// `rows`, weight · activation row t·b_ne1 + k mod b_ne1 of `acts` is
+/// written at `out` + k·nb1 + t·nb2 (bytes), by ggml's tiled kernel where
+/// stock would take it, else by one vec_dot per value.
+struct ExpertMatmul<'a> {
+    kernels: &'a DotKernels,
+    /// The paged weight tensor (type, rows, columns).
+    weight: &'a sys::ggml_tensor,
+    /// sdq_expert_tiled_scratch for it: 0 when the tiled kernel cannot take it.
+    tiled_bytes: usize,
+}
+
+impl<'a> ExpertMatmul<'a> {
+    fn new(kernels: &'a DotKernels, weight: &'a sys::ggml_tensor) -> ExpertMatmul<'a> {
+        // SAFETY: weight is a valid tensor; the call only reads its type and shape.
+        let tiled_bytes = unsafe { sys::sdq_expert_tiled_scratch(weight) };
+        ExpertMatmul { kernels, weight, tiled_bytes }
+    }
+
+    /// # Safety
+    /// `data` must be one expert of the weight (rows × row bytes); `acts`
+    /// whole rows of the activation type for the weight's columns, holding
+    /// every row a pair names; for every pair, the weight's row count of
+    /// floats at out + k·nb1 + t·nb2 must be writable and written by no one
+    /// else meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run(&self, data: &[u8], acts: &[u8], b_ne1: usize, rows: &[i32], out: *mut u8, nb1: usize, nb2: usize, scratch: &mut Scratch) {
+        let tiled = self.tiled_bytes > 0
+            // SAFETY: per this function's contract; the scratch holds
+            // tiled_bytes, 64-byte aligned.
+            && unsafe {
+                sys::sdq_expert_tiled(
+                    self.weight,
+                    data.as_ptr().cast(),
+                    b_ne1 as i64,
+                    acts.as_ptr().cast(),
+                    acts.len(),
+                    (rows.len() / 2) as i64,
+                    rows.as_ptr(),
+                    out.cast(),
+                    nb1,
+                    nb2,
+                    scratch.get(self.tiled_bytes).cast(),
+                )
+            };
+        if tiled {
+            return;
+        }
+        let (cols, n_rows) = (self.weight.ne[0] as usize, self.weight.ne[1] as usize);
+        let row_bytes = data.len() / n_rows;
+        let act_bytes = self.kernels.activation_row_bytes(cols);
+        // A block of weight rows stays in cache while every use of the
+        // expert is multiplied with it: the weights are streamed from memory
+        // once per batch, not once per token. Each value is still one
+        // vec_dot of one row and one activation, as stock computes it.
+        for first in (0..n_rows).step_by(ROW_BLOCK) {
+            let block = first..(first + ROW_BLOCK).min(n_rows);
+            for kt in rows.chunks_exact(2) {
+                let (k, t) = (kt[0] as usize, kt[1] as usize);
+                let a = t * b_ne1 + k % b_ne1;
+                let act = &acts[a * act_bytes..(a + 1) * act_bytes];
+                // SAFETY: per this function's contract.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.add(k * nb1 + t * nb2) as *mut f32, n_rows) };
+                for r in block.clone() {
+                    out[r] = self.kernels.dot(cols, &data[r * row_bytes..(r + 1) * row_bytes], act);
+                }
+            }
+        }
+    }
 }
 
 /// Reads `ids[k, t]` (an I32 view that may be non-contiguous).
@@ -294,83 +396,129 @@ pub unsafe extern "C" fn paged_mul_mat_id(dst: *mut sys::ggml_tensor, ith: c_int
 unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &PagedMatmul) {
     // SAFETY: src[0..3] were set by ggml_custom_4d from the hook's arguments.
     let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
-    let (cols, rows) = (w.ne[0], w.ne[1]);
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
     let pager = rt.pager(ids.ne[0] as usize);
     if op.counts_tokens && ith == 0 {
         rt.count_tokens(ids.ne[1] as u64);
     }
-    let kernels = &op.kernels;
     let key = dst as *const sys::ggml_tensor as usize;
-    // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call.
-    let batch = unsafe { join(key, op, ids, b, pager) };
-    // SAFETY: b is F32 [cols, b.ne1, n_tokens] with contiguous rows (checked
-    // when the op was built), and the buffer was sized from it.
-    unsafe { batch.acts.convert(b, kernels) };
-    // SAFETY: dst is the op as built: ggml_mul_mat_id's shape with src = as, b, ids.
-    let tiled_bytes = unsafe { sys::sdq_expert_tiled_scratch(dst) };
-    SCRATCH.with_borrow_mut(|scratch| {
-        while let Some((i, count)) = next_expert(key, nth, op, pager) {
+    // ggml runs a layer's gate (or fused gate_up) matmul first: it is
+    // SwiGLU's first source, and it starts the batch's reads.
+    let starts_layer = matches!(op.part, Part::Gate | Part::GateUp);
+    // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
+    // its F32 input with contiguous rows (checked when the op was built).
+    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, &op.kernels, ids, b, pager) };
+    let matmul = ExpertMatmul::new(&op.kernels, w);
+    WORKSPACE.with_borrow_mut(|ws| {
+        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
             let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
             let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
-            let weights = expert.part(op.part);
-            // Where stock would (8+ rows of a tiled type), ggml's tiled kernel
-            // computes the whole expert on this thread: the same bits as
-            // stock's threads computing it together.
-            // SAFETY: weights is this expert's part, rows × row bytes as the
-            // weight tensor describes; the activations are converted (above)
-            // in stock's layout; uses are (k, t) pairs within dst, whose
-            // rows belong to expert e alone, and e to this thread alone; the
-            // scratch holds tiled_bytes, 64-byte aligned.
-            if tiled_bytes > 0
-                && unsafe {
-                    sys::sdq_expert_tiled(
-                        dst,
-                        weights.as_ptr().cast(),
-                        batch.acts.buf.as_ptr().cast(),
-                        batch.acts.buf.len(),
-                        (uses.len() / 2) as i64,
-                        uses.as_ptr(),
-                        scratch.get(tiled_bytes).cast(),
-                    )
-                }
-            {
-                continue;
-            }
-            let row_bytes = weights.len() / rows as usize;
-            // A block of weight rows stays in cache while every use of the
-            // expert is multiplied with it: the weights are streamed from
-            // memory once per batch, not once per token. Each value is still
-            // one vec_dot of one row and one activation, as stock computes it.
-            for first in (0..rows as usize).step_by(ROW_BLOCK) {
-                let block = first..(first + ROW_BLOCK).min(rows as usize);
-                for kt in uses.chunks_exact(2) {
-                    let (k, t) = (kt[0], kt[1]);
-                    let act = batch.acts.row(k, t, b.ne[1]);
-                    // SAFETY: dst is F32 [rows, n_used, n_tokens], contiguous;
-                    // the row (k, t) belongs to expert e alone, and e to this
-                    // thread alone.
-                    let out = unsafe {
-                        let p = (dst.data as *mut u8).add(t as usize * dst.nb[2] + k as usize * dst.nb[1]);
-                        std::slice::from_raw_parts_mut(p as *mut f32, rows as usize)
-                    };
-                    for r in block.clone() {
-                        out[r] = kernels.dot(cols as usize, &weights[r * row_bytes..(r + 1) * row_bytes], act);
-                    }
-                }
-            }
+            // SAFETY: the part is this expert's rows; the activations are b
+            // converted (by join's caller) in stock's layout; dst is F32
+            // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
+            // to e alone, and e to this thread alone.
+            unsafe { matmul.run(expert.part(op.part), &batch.acts.buf, b.ne[1] as usize, uses, dst.data.cast(), dst.nb[1], dst.nb[2], &mut ws.tiled) };
             drop(expert); // release the slot as soon as this expert is done
         }
     });
 }
 
-/// This thread's view of call `key`, which the first thread to arrive
-/// creates: it groups the routing by expert, and in a layer's first matmul
-/// hands the batch's misses to the readers and starts the prefetch.
+/// The fused op: dst[:, k, t] = down_e · swiglu(gate_e · b_t, up_e · b_t)
+/// with e = ids[k, t], computed expert by expert, so that each selected
+/// expert is pinned (and, on a miss, read) once per batch for all three of
+/// its matrices. Each product and the SwiGLU are ggml's own kernels on the
+/// same rows stock multiplies, so every value is stock's to the bit.
 ///
 /// # Safety
-/// `ids` must be this call's valid I32 routing tensor and `b` its input.
-unsafe fn join(key: usize, op: &PagedMatmul, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
+/// Called by ggml with `dst` built by `hooks::moe_experts` (src = gate, up,
+/// down, b, ids) and `userdata` pointing at a leaked `PagedExperts`.
+pub unsafe extern "C" fn paged_moe_experts(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
+    let run = std::panic::catch_unwind(|| {
+        // SAFETY: per this function's contract.
+        unsafe { compute_fused(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedExperts)) }
+    });
+    if run.is_err() {
+        fatal("internal error in the paged expert layer");
+    }
+}
+
+/// # Safety
+/// As for `paged_moe_experts`.
+unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &PagedExperts) {
+    // SAFETY: src[0..5] were set by ggml_custom_4d from the hook's arguments.
+    let (gate_w, up_w, down_w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2], &*dst.src[3], &*dst.src[4]) };
+    let (n_ff, n_embd) = (gate_w.ne[1] as usize, down_w.ne[1] as usize);
+    let rt = runtime::get().unwrap_or_else(|| fatal("paged expert layer without an sdq runtime"));
+    let pager = rt.pager(ids.ne[0] as usize);
+    if op.counts_tokens && ith == 0 {
+        rt.count_tokens(ids.ne[1] as u64);
+    }
+    let key = dst as *const sys::ggml_tensor as usize;
+    // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
+    // [n_embd, 1, n_tokens] input, contiguous (checked when the op was built).
+    let batch = unsafe { join(key, op.layer, &op.name, true, &op.gate, ids, b, pager) };
+    let (gate, up, down) = (ExpertMatmul::new(&op.gate, gate_w), ExpertMatmul::new(&op.up, up_w), ExpertMatmul::new(&op.down, down_w));
+    let down_act_bytes = op.down.activation_row_bytes(n_ff);
+    WORKSPACE.with_borrow_mut(|ws| {
+        let Workspace { tiled, fused: f } = ws;
+        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
+            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
+            let n = uses.len() / 2;
+            f.gate.resize(n * n_ff, 0.0);
+            f.up.resize(n * n_ff, 0.0);
+            f.act.resize(n * n_ff, 0.0);
+            f.act_q.resize(n * down_act_bytes, 0);
+            f.out.resize(n * n_embd, 0.0);
+            // Use j of token t: gate and up read b's row t and write row j.
+            f.rows.clear();
+            f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
+            let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
+            // SAFETY: the parts are this expert's rows; b's rows are converted
+            // for gate and up (which share an activation type, checked when
+            // the op was built); row j of gate and up (n_ff floats at j ·
+            // n_ff · 4) is this thread's buffer.
+            unsafe {
+                gate.run(expert.part(Part::Gate), &batch.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                up.run(expert.part(Part::Up), &batch.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+            }
+            for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
+                // SAFETY: three distinct buffers of n_ff floats.
+                unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
+            }
+            for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
+                op.down.convert_activation(act, q);
+            }
+            // Down reads activation row j and writes row j.
+            f.rows.clear();
+            f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
+            // SAFETY: as above, with down's rows and activations.
+            unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
+            drop(expert); // release the slot as soon as this expert is done
+            for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
+                // SAFETY: dst is F32 [n_embd, n_used, n_tokens], contiguous;
+                // its row (k, t) belongs to expert e alone, and e to this
+                // thread alone.
+                let row = unsafe {
+                    let p = (dst.data as *mut u8).add(kt[1] as usize * dst.nb[2] + kt[0] as usize * dst.nb[1]);
+                    std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
+                };
+                row.copy_from_slice(out);
+            }
+        }
+    });
+}
+
+/// This thread's view of call `key`, which the first thread to arrive
+/// creates: it groups the routing by expert and, for the layer's first op
+/// (`starts_layer`), hands the batch's misses to the readers and starts the
+/// prefetch. Returns once `b` is converted to `kernels`' activation type,
+/// which every thread of the call helps with.
+///
+/// # Safety
+/// `ids` must be this call's valid I32 routing tensor and `b` its F32 input
+/// [cols, ne11, n_tokens] with contiguous rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, kernels: &DotKernels, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.entry(key).or_insert_with(|| {
         let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
@@ -382,41 +530,50 @@ unsafe fn join(key: usize, op: &PagedMatmul, ids: &sys::ggml_tensor, b: &sys::gg
             }
         }
         if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0) {
-            fatal(&format!("{}: router selected expert {e}", op.name));
+            fatal(&format!("{name}: router selected expert {e}"));
         }
-        // ggml runs a layer's gate (or fused gate_up) matmul first: it is
-        // SwiGLU's first source, and it starts the batch's reads.
-        let deferred = if matches!(op.part, Part::Gate | Part::GateUp) {
+        let deferred = if starts_layer {
             let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
-            let deferred = pager.prepare(op.layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
             // This layer's misses are queued: now what the next layer will likely need.
-            let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&op.layer);
+            let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
-                pager.prefetch(next, &predicted, op.layer);
+                pager.prefetch(next, &predicted, layer);
             }
             deferred
         } else {
             HashSet::new()
         };
         let experts: Vec<(u32, Uses)> = by_expert.into_iter().map(|(e, u)| (e as u32, u)).collect();
-        let acts = Activations::new(op.kernels.activation_row_bytes(b.ne[0] as usize), (b.ne[1] * b.ne[2]) as usize);
+        let acts = Activations::new(kernels.activation_row_bytes(b.ne[0] as usize), (b.ne[1] * b.ne[2]) as usize);
         Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, acts }), first_open: 0, deferred, left: 0 }
     });
-    Arc::clone(&call.batch)
+    let batch = Arc::clone(&call.batch);
+    drop(calls);
+    // SAFETY: b is the input the buffer was sized from (this function's contract).
+    unsafe { batch.acts.convert(b, kernels) };
+    batch
 }
 
 /// The index of the next expert of call `key` for this thread to compute
 /// (preferring one already in the arena), and how its acquire counts; None
 /// when every expert is taken (and this thread leaves the call).
-fn next_expert(key: usize, nth: usize, op: &PagedMatmul, pager: &Pager) -> Option<(usize, Count)> {
+fn next_expert(key: usize, nth: usize, layer: u32, pager: &Pager) -> Option<(usize, Count)> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.get_mut(&key).unwrap_or_else(|| fatal("paged matmul call left before its threads"));
     while call.first_open < call.taken.len() && call.taken[call.first_open] {
         call.first_open += 1;
     }
     let experts = &call.batch.experts;
-    let open = (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
-    let pick = pager.first_ready(op.layer, open.map(|i| (i, experts[i].0))).or_else(|| (call.first_open < experts.len()).then_some(call.first_open));
+    let open = || (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
+    // Resident experts first, then those being read (waiting for a read in
+    // flight), and only then the misses prepare found no slot for: reading
+    // one of those needs a victim, which should be an expert this batch has
+    // finished with, not one it has yet to use.
+    let pick = pager
+        .first_ready(layer, open().map(|i| (i, experts[i].0)))
+        .or_else(|| open().find(|&i| !call.deferred.contains(&experts[i].0)))
+        .or_else(|| open().next());
     match pick {
         Some(i) => {
             call.taken[i] = true;

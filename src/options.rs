@@ -24,6 +24,9 @@ pub struct Options {
     pub direct_io: Option<bool>,
     /// Fault the whole arena in before the first token (`SDQ_POPULATE`, default off).
     pub populate: Option<bool>,
+    /// Read every expert in the background when the arena holds them all
+    /// (`SDQ_PRELOAD`, default on).
+    pub preload: Option<bool>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -99,6 +102,7 @@ impl Options {
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = switch(&env, "SDQ_POPULATE")?;
+        o.preload = switch(&env, "SDQ_PRELOAD")?;
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
         }
@@ -158,7 +162,7 @@ impl Options {
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
         }
-        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_POPULATE", self.populate)] {
+        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_POPULATE", self.populate), ("SDQ_PRELOAD", self.preload)] {
             if let Some(on) = value {
                 env.push((name, if on { "1" } else { "0" }.to_string()));
             }

@@ -228,6 +228,10 @@ impl Runtime {
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
         let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or(false))?;
+        if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
+            let n = pager.preload();
+            log::info!("the arena holds every routed expert: reading all {n} in the background");
+        }
         Ok((pager, plan))
     }
 
@@ -370,6 +374,7 @@ impl Runtime {
                             "prefetch_used": n.prefetch_used,
                             "prefetch_late": n.prefetch_late,
                             "prefetch_wasted": n.prefetch_wasted,
+                            "preloaded": n.preloaded,
                         })
                     })
                     .collect::<Vec<_>>()),
@@ -383,6 +388,7 @@ impl Runtime {
             o.insert("prefetch_used".into(), json!(sum(|l| l.prefetch_used)));
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
+            o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
             o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
             o.insert("bytes_read".into(), json!(c.bytes_read));
             // With direct I/O, reads are 4 KiB-aligned supersets of the expert's range.

@@ -49,6 +49,10 @@ struct Slot {
     keep_pin: bool,
     /// Read by `prefetch` and not used by a batch since.
     prefetched: bool,
+    /// Read by `prepare` for a batch that has not pinned it yet: another
+    /// acquire evicts it only when nothing else is free, since the batch
+    /// would then read it again.
+    awaiting: bool,
 }
 
 /// Counts of one layer. A *use* is one expert needed by one batch: `prepare`
@@ -69,6 +73,9 @@ pub struct LayerCounts {
     pub prefetch_late: u64,
     /// Prefetched experts evicted before any batch used them.
     pub prefetch_wasted: u64,
+    /// Experts `preload` started reading (not counted in `prefetched`; a
+    /// use that finds one counts in `prefetch_used`).
+    pub preloaded: u64,
 }
 
 struct State {
@@ -297,7 +304,10 @@ impl Pager {
                 st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !matches!(slots[s].key, Some(k) if batch.contains(&k)))
             };
             match victim {
-                Some(slot) => jobs.extend(sh.start_load(&mut st, slot, ll, e, false)),
+                Some(slot) => {
+                    jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
+                    st.slots[slot].awaiting = true;
+                }
                 None => deferred.push(e),
             }
         }
@@ -342,6 +352,41 @@ impl Pager {
         sh.submit(jobs, Lane::Spare);
     }
 
+    /// Starts reading every expert not yet in the arena into a free slot, in
+    /// file order (layer by layer), at low priority: behind every demand
+    /// read, and a use that finds one still queued moves it to the front.
+    /// For an arena that holds every expert, this is stock's readahead of
+    /// the mapped model: the arena fills from the first token on instead of
+    /// expert by expert as the router first picks each. Returns the number
+    /// of experts queued.
+    pub fn preload(&self) -> usize {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        let mut free: Vec<std::collections::VecDeque<SlotId>> = sh
+            .arena
+            .classes()
+            .iter()
+            .map(|c| c.slots().filter(|&s| st.slots[s].key.is_none() && st.slots[s].pins == 0).collect())
+            .collect();
+        let mut jobs = Vec::new();
+        let mut queued = 0;
+        for ll in sh.layout.layers.values() {
+            for e in 0..ll.n_expert {
+                if st.table.contains_key(&(ll.layer, e)) {
+                    continue;
+                }
+                let Some(slot) = free[ll.class].pop_front() else { break };
+                jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
+                st.slots[slot].prefetched = true;
+                st.counts.get_mut(&ll.layer).expect("layer counted").preloaded += 1;
+                queued += 1;
+            }
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+        queued
+    }
+
     /// The first of `candidates` (index, expert) whose expert of `layer` is
     /// in a slot and fully read.
     pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {
@@ -364,6 +409,7 @@ impl Pager {
             if let Some(&slot) = st.table.get(&key) {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
+                    st.slots[slot].awaiting = false;
                     st.lru.touch(slot);
                     return Ok(PinnedExpert { pager: self, slot, expert, layer: ll });
                 }
@@ -374,8 +420,11 @@ impl Pager {
                 st = sh.wait(st);
                 continue;
             }
+            // A slot a batch is still waiting to use goes last: evicting it
+            // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
-            match st.lru.victim(class.clone(), |s| slots[s].pins == 0) {
+            let victim = st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.lru.victim(class.clone(), |s| slots[s].pins == 0));
+            match victim {
                 Some(victim) => {
                     if count == Count::Later {
                         st.counts.get_mut(&layer).expect("layer counted").rereads += 1;
@@ -462,6 +511,7 @@ impl Shared {
             batch: None,
             keep_pin,
             prefetched: false,
+            awaiting: false,
         };
         st.table.insert(key, slot);
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()

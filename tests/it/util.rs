@@ -179,9 +179,9 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
 }
 
 
-/// Stock's plain CPU path, the one the pager reproduces bit for bit: no
-/// repacked weights (`--no-repack`) and no tiled K-quant kernel, which stock
-/// takes per expert once 8 or more rows of a batch reach it.
+/// Stock's plain CPU path: no repacked weights (`--no-repack`) and no tiled
+/// K-quant kernel, which stock (and the pager, bit for bit) takes per expert
+/// once 8 or more rows of a batch reach it.
 pub const PLAIN: (&str, &str) = ("GGML_CPU_TILED_MM", "0");
 
 /// True when the suite runs under scripts/sanitize (AddressSanitizer).
