@@ -22,8 +22,8 @@ pub struct Options {
     pub prefetch: Option<bool>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
     pub direct_io: Option<bool>,
-    /// Fault the whole arena in before the first token (`SDQ_POPULATE`, default off).
-    pub populate: Option<bool>,
+    /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1 or idle).
+    pub populate: Option<crate::pager::Populate>,
     /// Read every expert in the background when the arena holds them all
     /// (`SDQ_PRELOAD`, default on).
     pub preload: Option<bool>,
@@ -101,7 +101,10 @@ impl Options {
         }
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
-        o.populate = switch(&env, "SDQ_POPULATE")?;
+        o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
+            None => None,
+            Some(v) => Some(crate::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1 or idle")))?),
+        };
         o.preload = switch(&env, "SDQ_PRELOAD")?;
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
@@ -162,7 +165,10 @@ impl Options {
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
         }
-        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_POPULATE", self.populate), ("SDQ_PRELOAD", self.preload)] {
+        if let Some(p) = self.populate {
+            env.push(("SDQ_POPULATE", p.name().to_string()));
+        }
+        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_PRELOAD", self.preload)] {
             if let Some(on) = value {
                 env.push((name, if on { "1" } else { "0" }.to_string()));
             }
@@ -211,6 +217,7 @@ mod tests {
             (&["t", "--ram-budget-mb", "1.5"][..], &[][..], "'1.5' is not a positive number of MiB"),
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
             (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
+            (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
         ] {
             let e = parse(args, env).0.unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");
@@ -219,7 +226,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(false), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -227,7 +227,7 @@ impl Runtime {
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or(false))?;
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or_default())?;
         if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
             let n = pager.preload();
             log::info!("the arena holds every routed expert: reading all {n} in the background");

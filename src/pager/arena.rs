@@ -103,6 +103,21 @@ impl Arena {
         Ok(())
     }
 
+    /// Faults in the pages of slot `id`, as `populate` does for the whole
+    /// mapping. Safe while the slot is being read into or used: pages that
+    /// are present, and every byte, stay as they are.
+    pub fn populate_slot(&self, id: SlotId) -> io::Result<()> {
+        let (off, _) = self.span(id);
+        let len = self.classes[self.class_of(id)].slot_bytes;
+        // SAFETY: the slot's whole region lies inside the live mapping;
+        // MADV_POPULATE_WRITE only allocates missing pages (zeroed).
+        let r = unsafe { libc::madvise(self.base.as_ptr().add(off).cast(), len, libc::MADV_POPULATE_WRITE) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Total bytes mapped.
     pub fn len(&self) -> usize {
         self.len
@@ -199,4 +214,13 @@ mod tests {
             assert_eq!(a.slot(4).len(), 100);
         }
     }
+}
+
+/// Moves the calling thread to the idle scheduling class (SCHED_IDLE): it
+/// runs only on a core that nothing else wants. Returns false where the
+/// kernel refuses.
+pub fn idle_priority() -> bool {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; param is a valid sched_param.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0 }
 }

@@ -111,6 +111,41 @@ pub struct PagerCounts {
     pub miss_batch_seconds: f64,
 }
 
+/// When the arena's memory is faulted in (`SDQ_POPULATE`). A fresh slot's
+/// page faults otherwise happen inside the read that first fills it, on
+/// the miss path; on a VM that backs guest memory lazily, they cost about as
+/// much as the read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Populate {
+    /// On first use, inside the read (`0`).
+    Off,
+    /// By a background thread at idle priority, slot by slot in the order
+    /// free slots are filled, on cores compute leaves idle (`idle`, the default).
+    #[default]
+    Idle,
+    /// All of it before the first token (`1`).
+    Now,
+}
+
+impl Populate {
+    pub fn parse(v: &str) -> Option<Populate> {
+        match v.trim() {
+            "0" | "off" | "false" => Some(Populate::Off),
+            "1" | "on" | "true" | "now" => Some(Populate::Now),
+            "idle" => Some(Populate::Idle),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Populate::Off => "0",
+            Populate::Now => "1",
+            Populate::Idle => "idle",
+        }
+    }
+}
+
 /// Readers in the pool when `SDQ_READERS` does not say.
 pub const DEFAULT_READERS: usize = 8;
 
@@ -194,9 +229,8 @@ impl Drop for PinnedExpert<'_> {
 
 impl Pager {
     /// A pager over `layout` with `slots[i]` slots for class i, reading
-    /// with `readers` threads; with `populate`, the arena's pages are faulted
-    /// in before it returns (see `Shared::populate`).
-    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: bool) -> Result<Pager> {
+    /// with `readers` threads, its arena faulted in as `populate` says.
+    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
         let arena = Arena::new(&classes)
@@ -224,7 +258,7 @@ impl Pager {
             queue: Mutex::new(Queue::default()),
             queued: Condvar::new(),
         });
-        let readers = (0..readers.max(1))
+        let mut readers = (0..readers.max(1))
             .map(|i| {
                 let shared = Arc::clone(&shared);
                 std::thread::Builder::new()
@@ -233,8 +267,17 @@ impl Pager {
                     .map_err(|e| Error::invalid(format!("cannot start reader thread {i}: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
-        if populate {
-            shared.populate();
+        match populate {
+            Populate::Off => {}
+            Populate::Now => shared.populate(),
+            Populate::Idle => {
+                let s = Arc::clone(&shared);
+                let t = std::thread::Builder::new()
+                    .name("sdq-populate".into())
+                    .spawn(move || s.populate_idle())
+                    .map_err(|e| Error::invalid(format!("cannot start the populate thread: {e}")))?;
+                readers.push(t);
+            }
         }
         Ok(Pager { shared, readers })
     }
@@ -535,14 +578,11 @@ impl Shared {
         }
     }
 
-    /// Faults in the whole arena at once (`SDQ_POPULATE=1`). Otherwise each
-    /// fresh slot's page faults are taken inside the read that needs it, on
-    /// the miss path and on the cores ggml computes on: on this project's VM,
-    /// cold decode at an enforced 8 GiB ran 5.3 tok/s that way and 8.1-9.0
-    /// with the arena faulted in first, which took 6-16 s before the first
-    /// token. Either way every page is faulted once, so it is off by default:
-    /// it trades time to the first token for steady speed. The budget plans
-    /// the whole arena, so this holds nothing it did not grant.
+    /// Faults in the whole arena at once (`SDQ_POPULATE=1`), before the
+    /// first token: on this project's VM, cold decode at an enforced 8 GiB
+    /// ran 5.3 tok/s with the faults inside the reads and 8.1-9.0 with the
+    /// arena faulted in first, which took 6-16 s. The budget plans the whole
+    /// arena, so this holds nothing it did not grant.
     fn populate(&self) {
         let started = Instant::now();
         if let Err(e) = self.arena.populate() {
@@ -551,6 +591,33 @@ impl Shared {
             return;
         }
         log::info!("arena of {} populated in {:.1} s", crate::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
+    }
+
+    /// The idle-priority populater: faults slots in, in the order free slots
+    /// are taken (lowest first in each class, classes in turn), until the
+    /// arena is done or the pager is dropped. Every page is faulted once
+    /// either way; this moves the faults off the miss path onto cores that
+    /// compute leaves idle (waiting for reads, or between tokens).
+    fn populate_idle(&self) {
+        if !arena::idle_priority() {
+            log::debug!("populate thread: SCHED_IDLE refused; populating at normal priority");
+        }
+        let started = Instant::now();
+        let classes = self.arena.classes();
+        let most = classes.iter().map(|c| c.count).max().unwrap_or(0);
+        for i in 0..most {
+            for c in classes.iter().filter(|c| i < c.count) {
+                if self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed {
+                    return;
+                }
+                if let Err(e) = self.arena.populate_slot(c.first + i) {
+                    // Kernels before 5.14 lack MADV_POPULATE_WRITE: slots fault on first use.
+                    log::info!("arena not populated ahead of use: {e}");
+                    return;
+                }
+            }
+        }
+        log::info!("arena of {} populated in the background in {:.1} s", crate::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
     }
 
     /// Moves the queued prefetch reads of `slot` ahead of every other read:
