@@ -29,9 +29,16 @@ fn stock_and_tight_budget(model: &Path, n: u32) -> (String, String) {
     (stdout(&stock), tight_budget("llama-completion", &refs, &[PLAIN], 0))
 }
 
+/// A paged run with `faults` injected into its reads. Preloading is off: the
+/// faults are aimed at reads the batches wait for (a 1G budget holds every
+/// expert, which would otherwise all be read ahead at start).
 fn paged(model: &Path, n: u32, budget: &str, faults: &str) -> Command {
     let mut c = Command::new(bin("llama-completion"));
-    c.args(args(model, n)).args(["--ram-budget", budget, "--sdq-reserve", "16M"]).env("SDQ_FAULT_READ", faults).env(PLAIN.0, PLAIN.1);
+    c.args(args(model, n))
+        .args(["--ram-budget", budget, "--sdq-reserve", "16M"])
+        .env("SDQ_FAULT_READ", faults)
+        .env("SDQ_PRELOAD", "0")
+        .env(PLAIN.0, PLAIN.1);
     c
 }
 
@@ -81,6 +88,20 @@ fn failed_reads_stop_the_run_naming_file_layer_and_expert() {
             assert!(stock.starts_with(&stdout(&o)), "{kind}@{n}: output is not a prefix of stock's:\n{}", stdout(&o));
         }
     }
+}
+
+/// A preload read that fails is not lost: the expert is marked failed, and
+/// the batch that needs it stops the run with the error, as a miss would.
+#[test]
+fn a_failed_preload_read_stops_the_batch_that_needs_the_expert() {
+    let (stock, _) = stock_and_tight_budget(tiny(), 32);
+    // 1G holds every expert: all 128 are queued for preloading at start, and
+    // the first read (layer 0, expert 0) fails; 32 tokens use every expert.
+    let o = run(paged(tiny(), 32, "1G", "eio@1").env("SDQ_PRELOAD", "1"), 300);
+    assert_eq!(o.status.code(), Some(1), "{}\n{}", o.status, stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("injected read fault: EIO") && err.contains("expert 0 of layer 0"), "{err}");
+    assert!(stock.starts_with(&stdout(&o)), "output is not a prefix of stock's:\n{}", stdout(&o));
 }
 
 #[test]
