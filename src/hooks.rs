@@ -6,7 +6,7 @@ use crate::backend;
 use crate::ggml::{DotKernels, GgmlType};
 use crate::moe::{self, PagedExperts, PagedMatmul, Predictor};
 use crate::pager::layout::{Part, PagedTensor};
-use crate::runtime::{self, fatal};
+use crate::runtime::{self, fatal, guard};
 use crate::sys;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
@@ -42,11 +42,6 @@ pub fn install() {
     });
     // SAFETY: the table is static, so it outlives every model.
     unsafe { sys::sdq_set_hooks(&table.0) };
-}
-
-/// Runs `f`, turning a panic into a clean fatal error.
-fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| fatal(&format!("internal error in {what}")))
 }
 
 /// # Safety
@@ -151,6 +146,21 @@ fn paged_experts(name: &str, layer: u32, kernels: [DotKernels; 3]) -> &'static P
 /// experts anyway, and its misses are read together by `Pager::prepare`.
 const PREDICT_MAX_TOKENS: i64 = 8;
 
+/// Every thread of the graph (GGML_N_TASKS_MAX) runs a paged op.
+const ALL_THREADS: i32 = -1;
+
+/// An F32 custom op of shape `ne` over `args`, computed by `fun` with
+/// `n_tasks` of ggml's threads and `userdata`.
+///
+/// # Safety
+/// `ctx` must be the context of the graph being built and `args` valid
+/// tensors of it; `fun` must accept `userdata`, which must live as long as
+/// the graph may be computed (sdq's op descriptions are leaked).
+unsafe fn custom_op(ctx: *mut sys::ggml_context, ne: [i64; 3], mut args: Vec<*mut sys::ggml_tensor>, fun: sys::ggml_custom_op_t, n_tasks: i32, userdata: *const c_void) -> *mut sys::ggml_tensor {
+    // SAFETY: per this function's contract.
+    unsafe { sys::ggml_custom_4d(ctx, sys::GGML_TYPE_F32, ne[0], ne[1], ne[2], 1, args.as_mut_ptr(), args.len() as i32, fun, n_tasks, userdata as *mut c_void) }
+}
+
 /// One `Predictor` per layer, kept for the process's lifetime.
 fn predictor(layer: u32, next: u32, top_k: usize) -> &'static Predictor {
     static OPS: OnceLock<Mutex<HashMap<u32, &'static Predictor>>> = OnceLock::new();
@@ -185,20 +195,8 @@ unsafe fn build_prediction(ctx: *mut sys::ggml_context, layer: u32, b: *mut sys:
     // callback and its leaked userdata live for the whole process.
     unsafe {
         let x = sys::ggml_reshape_2d(ctx, b, bt.ne[0], bt.ne[2]);
-        let mut logits = [sys::ggml_mul_mat(ctx, router, x)];
-        Some(sys::ggml_custom_4d(
-            ctx,
-            sys::GGML_TYPE_F32,
-            1,
-            1,
-            1,
-            1,
-            logits.as_mut_ptr(),
-            1,
-            Some(moe::predict_next),
-            1,
-            op as *const Predictor as *mut c_void,
-        ))
+        let logits = sys::ggml_mul_mat(ctx, router, x);
+        Some(custom_op(ctx, [1, 1, 1], vec![logits], Some(moe::predict_next), 1, (op as *const Predictor).cast()))
     }
 }
 
@@ -241,21 +239,7 @@ extern "C" fn mul_mat_id(
         }
         // SAFETY: ctx is the graph's context; args are 3 or 4 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe {
-            sys::ggml_custom_4d(
-                ctx,
-                sys::GGML_TYPE_F32,
-                at.ne[1],
-                it.ne[0],
-                bt.ne[2],
-                1,
-                args.as_mut_ptr(),
-                args.len() as i32,
-                Some(moe::paged_mul_mat_id),
-                -1, // GGML_N_TASKS_MAX: every thread of the graph
-                op as *const PagedMatmul as *mut c_void,
-            )
-        }
+        unsafe { custom_op(ctx, [at.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_mul_mat_id), ALL_THREADS, (op as *const PagedMatmul).cast()) }
     })
 }
 
@@ -309,20 +293,6 @@ extern "C" fn moe_experts(
         args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         // SAFETY: ctx is the graph's context; args are 5 or 6 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe {
-            sys::ggml_custom_4d(
-                ctx,
-                sys::GGML_TYPE_F32,
-                dt.ne[1],
-                it.ne[0],
-                bt.ne[2],
-                1,
-                args.as_mut_ptr(),
-                args.len() as i32,
-                Some(moe::paged_moe_experts),
-                -1, // GGML_N_TASKS_MAX: every thread of the graph
-                op as *const PagedExperts as *mut c_void,
-            )
-        }
+        unsafe { custom_op(ctx, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
     })
 }

@@ -30,7 +30,7 @@
 use crate::ggml::DotKernels;
 use crate::pager::layout::Part;
 use crate::pager::{Count, Pager};
-use crate::runtime::{self, fatal};
+use crate::runtime::{self, fatal, guard};
 use crate::sys;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -94,7 +94,7 @@ pub unsafe extern "C" fn predict_next(dst: *mut sys::ggml_tensor, ith: c_int, _n
     if ith != 0 {
         return;
     }
-    let run = std::panic::catch_unwind(|| {
+    guard("the expert prediction", || {
         // SAFETY: per this function's contract; ggml_mul_mat's result is a
         // contiguous F32 matrix of ne[0] × ne[1] values.
         let (logits, n_expert, n_tokens, op) = unsafe {
@@ -120,10 +120,7 @@ pub unsafe extern "C" fn predict_next(dst: *mut sys::ggml_tensor, ith: c_int, _n
         experts.sort_by(|a, b| b.1 .0.cmp(&a.1 .0).then(b.1 .1.total_cmp(&a.1 .1)));
         let experts = experts.into_iter().map(|(e, _)| e).collect();
         predictions().lock().unwrap_or_else(|p| p.into_inner()).insert(op.layer, (op.next, experts));
-    });
-    if run.is_err() {
-        fatal("internal error in the expert prediction");
-    }
+    })
 }
 
 /// The (slot k, token t) pairs one expert serves, flattened as ggml's
@@ -380,15 +377,12 @@ unsafe fn expert_id(ids: &sys::ggml_tensor, k: i64, t: i64) -> i32 {
 /// Called by ggml with `dst` built by `hooks::mul_mat_id` (src = as, b, ids)
 /// and `userdata` pointing at a leaked `PagedMatmul`.
 pub unsafe extern "C" fn paged_mul_mat_id(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
-    let run = std::panic::catch_unwind(|| {
+    guard("the paged expert matmul", || {
         // SAFETY: per this function's contract, dst and its sources are valid
         // tensors whose data ggml allocated for this graph, and userdata is a
         // PagedMatmul that is never freed.
         unsafe { compute(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedMatmul)) }
-    });
-    if run.is_err() {
-        fatal("internal error in the paged expert matmul");
-    }
+    })
 }
 
 /// # Safety
@@ -433,13 +427,10 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
 /// Called by ggml with `dst` built by `hooks::moe_experts` (src = gate, up,
 /// down, b, ids) and `userdata` pointing at a leaked `PagedExperts`.
 pub unsafe extern "C" fn paged_moe_experts(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
-    let run = std::panic::catch_unwind(|| {
+    guard("the paged expert layer", || {
         // SAFETY: per this function's contract.
         unsafe { compute_fused(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedExperts)) }
-    });
-    if run.is_err() {
-        fatal("internal error in the paged expert layer");
-    }
+    })
 }
 
 /// # Safety

@@ -121,6 +121,12 @@ pub fn fatal(msg: &str) -> ! {
     unsafe { libc::_exit(1) }
 }
 
+/// Runs `f` (a callback from C or C++, which nothing may unwind into),
+/// turning a panic into a clean fatal error naming `what`.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| fatal(&format!("internal error in {what}")))
+}
+
 impl Runtime {
     fn lock_registry(&self) -> std::sync::MutexGuard<'_, Registry> {
         self.registry.lock().unwrap_or_else(|p| p.into_inner())

@@ -192,6 +192,15 @@ impl Drop for Arena {
     }
 }
 
+/// Moves the calling thread to the idle scheduling class (SCHED_IDLE): it
+/// runs only on a core that nothing else wants. Returns false where the
+/// kernel refuses.
+pub fn idle_priority() -> bool {
+    let param = libc::sched_param { sched_priority: 0 };
+    // SAFETY: pid 0 is the calling thread; param is a valid sched_param.
+    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0 }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -214,13 +223,4 @@ mod tests {
             assert_eq!(a.slot(4).len(), 100);
         }
     }
-}
-
-/// Moves the calling thread to the idle scheduling class (SCHED_IDLE): it
-/// runs only on a core that nothing else wants. Returns false where the
-/// kernel refuses.
-pub fn idle_priority() -> bool {
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: pid 0 is the calling thread; param is a valid sched_param.
-    unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) == 0 }
 }
