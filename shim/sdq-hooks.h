@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 5
+#define SDQ_HOOKS_VERSION 6
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -56,6 +56,14 @@ struct sdq_hooks {
      * router-weighted sum) stays llama.cpp's own graph. */
     struct ggml_tensor * (*mul_mat_id)(void * user_data, struct ggml_context * ctx,
                                        struct ggml_tensor * as, struct ggml_tensor * b, struct ggml_tensor * ids);
+
+    /* Graph: the routing of MoE layer `il`, whose experts are paged: `ids`
+     * (I32 [n_expert_used, n_tokens], the selected experts) and `weights`
+     * (F32 [1, n_expert_used, n_tokens], their final router weights). Returns
+     * the ids the layer's expert ops use instead (same shape and values), or
+     * NULL to keep `ids`. */
+    struct ggml_tensor * (*moe_routing)(void * user_data, struct ggml_context * ctx, int il,
+                                        struct ggml_tensor * ids, struct ggml_tensor * weights);
 
     /* Graph: the routed experts of one MoE layer with SwiGLU and no biases,
      * scales or LoRA, all paged: down(silu(gate(b)) * up(b)) for each

@@ -11,6 +11,8 @@ pub enum Error {
     Io { context: String, path: PathBuf, source: io::Error },
     /// A GGUF file could not be read or does not hold what is needed.
     Gguf { path: PathBuf, message: String },
+    /// A text file sdq reads (a routing trace, a hot set) is malformed at `line`.
+    Format { path: PathBuf, line: usize, message: String },
     /// A value given by the user (flag, preset, size) is not acceptable.
     Invalid(String),
 }
@@ -26,6 +28,10 @@ impl Error {
         Error::Gguf { path: path.to_path_buf(), message: message.into() }
     }
 
+    pub fn format(path: &Path, line: usize, message: impl Into<String>) -> Error {
+        Error::Format { path: path.to_path_buf(), line, message: message.into() }
+    }
+
     pub fn invalid(message: impl Into<String>) -> Error {
         Error::Invalid(message.into())
     }
@@ -36,6 +42,7 @@ impl fmt::Display for Error {
         match self {
             Error::Io { context, path, source } => write!(f, "{context} {}: {source}", path.display()),
             Error::Gguf { path, message } => write!(f, "{}: {message}", path.display()),
+            Error::Format { path, line, message } => write!(f, "{}:{line}: {message}", path.display()),
             Error::Invalid(message) => f.write_str(message),
         }
     }

@@ -4,7 +4,7 @@
 
 use crate::backend;
 use crate::ggml::{DotKernels, GgmlType};
-use crate::moe::{self, PagedExperts, PagedMatmul, Predictor};
+use crate::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
 use crate::pager::layout::{Part, PagedTensor};
 use crate::runtime::{self, fatal, guard};
 use crate::sys;
@@ -37,6 +37,7 @@ pub fn install() {
             resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
             mul_mat_id: Some(mul_mat_id),
+            moe_routing: Some(moe_routing),
             moe_experts: Some(moe_experts),
         })
     });
@@ -149,16 +150,16 @@ const PREDICT_MAX_TOKENS: i64 = 8;
 /// Every thread of the graph (GGML_N_TASKS_MAX) runs a paged op.
 const ALL_THREADS: i32 = -1;
 
-/// An F32 custom op of shape `ne` over `args`, computed by `fun` with
-/// `n_tasks` of ggml's threads and `userdata`.
+/// A custom op of type `ty` and shape `ne` over `args`, computed by `fun`
+/// with `n_tasks` of ggml's threads and `userdata`.
 ///
 /// # Safety
 /// `ctx` must be the context of the graph being built and `args` valid
 /// tensors of it; `fun` must accept `userdata`, which must live as long as
 /// the graph may be computed (sdq's op descriptions are leaked).
-unsafe fn custom_op(ctx: *mut sys::ggml_context, ne: [i64; 3], mut args: Vec<*mut sys::ggml_tensor>, fun: sys::ggml_custom_op_t, n_tasks: i32, userdata: *const c_void) -> *mut sys::ggml_tensor {
+unsafe fn custom_op(ctx: *mut sys::ggml_context, ty: sys::ggml_type, ne: [i64; 3], mut args: Vec<*mut sys::ggml_tensor>, fun: sys::ggml_custom_op_t, n_tasks: i32, userdata: *const c_void) -> *mut sys::ggml_tensor {
     // SAFETY: per this function's contract.
-    unsafe { sys::ggml_custom_4d(ctx, sys::GGML_TYPE_F32, ne[0], ne[1], ne[2], 1, args.as_mut_ptr(), args.len() as i32, fun, n_tasks, userdata as *mut c_void) }
+    unsafe { sys::ggml_custom_4d(ctx, ty, ne[0], ne[1], ne[2], 1, args.as_mut_ptr(), args.len() as i32, fun, n_tasks, userdata as *mut c_void) }
 }
 
 /// One `Predictor` per layer, kept for the process's lifetime.
@@ -196,7 +197,7 @@ unsafe fn build_prediction(ctx: *mut sys::ggml_context, layer: u32, b: *mut sys:
     unsafe {
         let x = sys::ggml_reshape_2d(ctx, b, bt.ne[0], bt.ne[2]);
         let logits = sys::ggml_mul_mat(ctx, router, x);
-        Some(custom_op(ctx, [1, 1, 1], vec![logits], Some(moe::predict_next), 1, (op as *const Predictor).cast()))
+        Some(custom_op(ctx, sys::GGML_TYPE_F32, [1, 1, 1], vec![logits], Some(moe::predict_next), 1, (op as *const Predictor).cast()))
     }
 }
 
@@ -239,7 +240,46 @@ extern "C" fn mul_mat_id(
         }
         // SAFETY: ctx is the graph's context; args are 3 or 4 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe { custom_op(ctx, [at.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_mul_mat_id), ALL_THREADS, (op as *const PagedMatmul).cast()) }
+        unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [at.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_mul_mat_id), ALL_THREADS, (op as *const PagedMatmul).cast()) }
+    })
+}
+
+/// One `RoutingRecord` per layer, kept for the process's lifetime.
+fn routing_record(layer: u32) -> &'static RoutingRecord {
+    static OPS: OnceLock<Mutex<HashMap<u32, &'static RoutingRecord>>> = OnceLock::new();
+    let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
+    ops.entry(layer).or_insert_with(|| Box::leak(Box::new(RoutingRecord { layer })))
+}
+
+extern "C" fn moe_routing(
+    _: *mut c_void,
+    ctx: *mut sys::ggml_context,
+    il: std::ffi::c_int,
+    ids: *mut sys::ggml_tensor,
+    weights: *mut sys::ggml_tensor,
+) -> *mut sys::ggml_tensor {
+    guard("moe_routing", || {
+        if !runtime::get().is_some_and(|rt| rt.tracing()) {
+            return std::ptr::null_mut();
+        }
+        // SAFETY: llama.cpp passes valid tensors of the graph being built.
+        let (it, wt) = unsafe { (&*ids, &*weights) };
+        let fits = it.type_ == sys::GGML_TYPE_I32
+            && wt.type_ == sys::GGML_TYPE_F32
+            && il >= 0
+            && it.ne[2] == 1
+            && it.ne[3] == 1
+            && wt.ne[0] == 1
+            && wt.ne[1] == it.ne[0]
+            && wt.ne[2] == it.ne[1];
+        if !fits {
+            fatal(&format!("layer {il}: unsupported routing shapes for --sdq-trace (ids {:?}, weights {:?})", it.ne, wt.ne));
+        }
+        let op = routing_record(il as u32);
+        // SAFETY: ctx is the graph's context; ids and weights are valid
+        // tensors of it; the callback and its leaked userdata live for the
+        // whole process.
+        unsafe { custom_op(ctx, sys::GGML_TYPE_I32, [it.ne[0], it.ne[1], 1], vec![ids, weights], Some(moe::record_routing), 1, (op as *const RoutingRecord).cast()) }
     })
 }
 
@@ -293,6 +333,6 @@ extern "C" fn moe_experts(
         args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         // SAFETY: ctx is the graph's context; args are 5 or 6 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe { custom_op(ctx, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
+        unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
     })
 }

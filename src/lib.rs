@@ -25,8 +25,10 @@ pub mod moe;
 pub mod options;
 pub mod pager;
 pub mod preflight;
+pub mod replay;
 pub mod runtime;
 pub mod sys;
 pub mod tools;
+pub mod trace;
 
 pub use error::{Error, Result};

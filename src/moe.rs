@@ -73,6 +73,52 @@ pub struct Predictor {
     pub top_k: usize,
 }
 
+/// The recording of one layer's routing (`--sdq-trace`), fixed when the
+/// graph is built: an op that copies the selected experts' ids and writes
+/// them, with their router weights, to the trace.
+#[derive(Debug)]
+pub struct RoutingRecord {
+    pub layer: u32,
+}
+
+/// The op: dst (I32 [n_used, n_tokens], contiguous) = ids, and the
+/// routing goes to the trace, token by token.
+///
+/// # Safety
+/// Called by ggml with `dst` built by `hooks::moe_routing` (src = ids, I32
+/// [n_used, n_tokens]; weights, F32 [1, n_used, n_tokens]) and `userdata`
+/// pointing at a leaked `RoutingRecord`.
+pub unsafe extern "C" fn record_routing(dst: *mut sys::ggml_tensor, ith: c_int, _nth: c_int, userdata: *mut c_void) {
+    if ith != 0 {
+        return;
+    }
+    guard("the routing record", || {
+        // SAFETY: per this function's contract.
+        let (dst, ids, weights, op) = unsafe { (&mut *dst, &*(*dst).src[0], &*(*dst).src[1], &*(userdata as *const RoutingRecord)) };
+        let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+        let mut rows = Vec::with_capacity((n_used * n_tokens) as usize);
+        for t in 0..n_tokens {
+            for k in 0..n_used {
+                // SAFETY: k < ne0 and t < ne1 of ids; weights has the same
+                // [k, t] extent in its dims 1 and 2 (checked at build), read
+                // through its strides; dst is a fresh contiguous I32 tensor
+                // of ids' shape.
+                let (e, w) = unsafe {
+                    let e = expert_id(ids, k, t);
+                    *(dst.data as *mut i32).add((t * n_used + k) as usize) = e;
+                    (e, *((weights.data as *const u8).add(t as usize * weights.nb[2] + k as usize * weights.nb[1]) as *const f32))
+                };
+                if e < 0 {
+                    fatal(&format!("layer {}: router selected expert {e}", op.layer));
+                }
+                rows.push((e as u32, w));
+            }
+        }
+        let rt = runtime::get().unwrap_or_else(|| fatal("routing recorded without an sdq runtime"));
+        rt.record_routing(op.layer, n_tokens as usize, n_used as usize, rows);
+    })
+}
+
 /// Predictions made but not yet acted on, by the layer that made them:
 /// (next layer, experts best first).
 type Predictions = Mutex<HashMap<u32, (u32, Vec<u32>)>>;

@@ -1,7 +1,9 @@
 //! sdq's options on every tool: `--ram-budget SIZE` (or `--ram-budget-mb N`),
-//! `--sdq-reserve SIZE`, `--sdq-stats FILE`, and their environment variables
-//! `SDQ_RAM_BUDGET`, `SDQ_RESERVE_MB`, `SDQ_STATS_FILE`. They are taken out of
-//! argv before upstream's parser sees it; flags win over the environment.
+//! `--sdq-reserve SIZE`, `--sdq-stats FILE`, `--sdq-policy NAME`,
+//! `--sdq-trace FILE`, and their environment variables `SDQ_RAM_BUDGET`,
+//! `SDQ_RESERVE_MB`, `SDQ_STATS_FILE`, `SDQ_POLICY`, `SDQ_TRACE_FILE`. They
+//! are taken out of argv before upstream's parser sees it; flags win over
+//! the environment.
 
 use crate::budget::{parse_size, MIB};
 use crate::error::{Error, Result};
@@ -27,6 +29,10 @@ pub struct Options {
     /// Read every expert in the background when the arena holds them all
     /// (`SDQ_PRELOAD`, default on).
     pub preload: Option<bool>,
+    /// Which slot to evict (`--sdq-policy`, `SDQ_POLICY`).
+    pub policy: Option<crate::pager::policy::PolicyKind>,
+    /// Where to record the routing (`--sdq-trace`, `SDQ_TRACE_FILE`).
+    pub trace_file: Option<PathBuf>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -42,11 +48,20 @@ pub const HELP: &str = "\
 --sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
+--sdq-policy NAME        which arena slot to evict: lru (env: SDQ_POLICY; default lru)
+--sdq-trace FILE         record the routing as CSV, one row per selected expert, for
+                         `sdq replay` (env: SDQ_TRACE_FILE)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
-SDQ_POPULATE=0|1         fault the whole arena in before the first token (default 0: as slots fill)
+SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as slots fill,
+                         idle (default) slot by slot on a background thread at idle priority
+SDQ_PRELOAD=0|1          read every expert in the background when the arena holds them all (default 1)
 ";
+
+fn policy_of(flag: &str, value: &str) -> Result<crate::pager::policy::PolicyKind> {
+    crate::pager::policy::PolicyKind::parse(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
+}
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
     parse_size(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
@@ -109,6 +124,12 @@ impl Options {
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
         }
+        if let Some(v) = env("SDQ_POLICY").filter(|v| !v.is_empty()) {
+            o.policy = Some(policy_of("SDQ_POLICY", &v)?);
+        }
+        if let Some(v) = env("SDQ_TRACE_FILE").filter(|v| !v.is_empty()) {
+            o.trace_file = Some(PathBuf::from(v));
+        }
         if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
             o.faults = crate::pager::io::FaultPlan::parse(&v).map_err(|e| Error::invalid(format!("SDQ_FAULT_READ: {e}")))?;
         }
@@ -127,7 +148,7 @@ impl Options {
                 Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
                 _ => (s.to_string(), None),
             };
-            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats") {
+            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats" | "--sdq-policy" | "--sdq-trace") {
                 kept.push(arg);
                 continue;
             }
@@ -142,6 +163,8 @@ impl Options {
                 "--ram-budget" => o.budget = Some(budget_of(&flag, &value)?),
                 "--ram-budget-mb" => o.budget = Some(mib_of(&flag, &value)?),
                 "--sdq-reserve" => o.reserve = Some(size_of(&flag, &value)?),
+                "--sdq-policy" => o.policy = Some(policy_of(&flag, &value)?),
+                "--sdq-trace" => o.trace_file = Some(PathBuf::from(value)),
                 _ => o.stats_file = Some(PathBuf::from(value)),
             }
         }
@@ -161,6 +184,12 @@ impl Options {
         }
         if let Some(f) = &self.stats_file {
             env.push(("SDQ_STATS_FILE", f.to_string_lossy().into_owned()));
+        }
+        if let Some(p) = self.policy {
+            env.push(("SDQ_POLICY", p.name().to_string()));
+        }
+        if let Some(f) = &self.trace_file {
+            env.push(("SDQ_TRACE_FILE", f.to_string_lossy().into_owned()));
         }
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
@@ -218,6 +247,7 @@ mod tests {
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
             (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
             (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
+            (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'"),
         ] {
             let e = parse(args, env).0.unwrap_err().to_string();
             assert!(e.contains(needle), "{args:?}: {e}");
@@ -226,7 +256,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

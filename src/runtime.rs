@@ -10,6 +10,7 @@ use crate::options::Options;
 use crate::pager::io::ExpertReader;
 use crate::pager::layout::{Layout, Part, PagedTensor};
 use crate::pager::Pager;
+use crate::trace::{Phase, Recorder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -63,14 +64,18 @@ pub struct Runtime {
     peak_rss_anon: AtomicU64,
     max_swap: AtomicU64,
     finished: AtomicBool,
+    /// The routing being recorded (`--sdq-trace`).
+    trace: Option<Mutex<Recorder>>,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 
 /// Installs the runtime for `options` (which must carry a budget) and starts
-/// sampling this process's memory. Returns the installed runtime.
-pub fn install(options: Options) -> &'static Runtime {
+/// sampling this process's memory. Returns the installed runtime, or an
+/// error if the trace file cannot be created.
+pub fn install(options: Options) -> Result<&'static Runtime, Error> {
     let budget = options.budget.expect("install() needs a budget");
+    let trace = options.trace_file.as_deref().map(Recorder::create).transpose()?.map(Mutex::new);
     let rt = RUNTIME.get_or_init(|| Runtime {
         options,
         budget,
@@ -82,6 +87,7 @@ pub fn install(options: Options) -> &'static Runtime {
         peak_rss_anon: AtomicU64::new(0),
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
+        trace,
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -100,7 +106,7 @@ pub fn install(options: Options) -> &'static Runtime {
             }
         })
         .expect("spawn memory sampler");
-    rt
+    Ok(rt)
 }
 
 /// The runtime, if a budget is set.
@@ -233,12 +239,34 @@ impl Runtime {
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or_default())?;
+        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default())?;
         if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
             let n = pager.preload();
             log::info!("the arena holds every routed expert: reading all {n} in the background");
         }
         Ok((pager, plan))
+    }
+
+    /// True if the routing is being recorded.
+    pub fn tracing(&self) -> bool {
+        self.trace.is_some()
+    }
+
+    /// Records one paged layer's routing of one batch to the trace:
+    /// `rows` are (expert, router weight) in token order, `top_k` per token.
+    pub fn record_routing(&self, layer: u32, n_tokens: usize, top_k: usize, rows: impl IntoIterator<Item = (u32, f32)>) {
+        let Some(trace) = &self.trace else { return };
+        let first = layer == self.first_paged_layer();
+        // The comment lines need the layout, which the pager builds.
+        let layout = self.pager(top_k).layout();
+        let mut t = trace.lock().unwrap_or_else(|p| p.into_inner());
+        let result = t
+            .start(top_k, layout.layers.values().map(|l| (l.layer, l.expert_bytes as u64, l.n_expert, l.slot_extent as u64)))
+            .and_then(|()| t.record(first, Phase::of_tokens(n_tokens), layer, rows));
+        if let Err(e) = result {
+            drop(t);
+            fatal(&e.to_string());
+        }
     }
 
     /// Counts the tokens of one batch (called once per batch).
@@ -260,6 +288,12 @@ impl Runtime {
             return;
         }
         self.sample_memory();
+        if let Some(trace) = &self.trace {
+            let mut t = trace.lock().unwrap_or_else(|p| p.into_inner());
+            if let Err(e) = t.flush() {
+                eprintln!("sdq: error: {e}");
+            }
+        }
         self.write_stats(true);
         if summary {
             eprintln!("{}", self.summary_line());

@@ -130,6 +130,10 @@ pub fn run(entry: Entry) -> ! {
         // SAFETY: registering a plain extern "C" function with no state.
         unsafe { libc::atexit(print_sdq_help) };
     }
+    if opts.trace_file.is_some() && opts.budget.is_none() {
+        eprintln!("{program}: error: --sdq-trace needs --ram-budget: sdq records the routing of the experts it pages (a budget above the model's size keeps them all in RAM)");
+        std::process::exit(1);
+    }
     if let Some(Err(e)) = opts.budget.map(crate::budget::check_against_ram) {
         eprintln!("{program}: error: {e}");
         std::process::exit(1);
@@ -148,7 +152,10 @@ pub fn run(entry: Entry) -> ! {
         for (k, v) in opts.to_env() {
             std::env::set_var(k, v);
         }
-        runtime::install(opts);
+        if let Err(e) = runtime::install(opts) {
+            eprintln!("{program}: error: {e}");
+            std::process::exit(1);
+        }
         hooks::install();
         // Tools may exit() without returning; the stats are written either way.
         // SAFETY: registering a plain extern "C" function with no state.

@@ -29,6 +29,10 @@ enum Command {
     /// Greedy decoding through llama.h, printing tokens and text as JSON and
     /// optionally the final logits (to compare a budgeted run with stock).
     Eval(EvalArgs),
+    /// Replay a routing trace (`--sdq-trace`) through the pager's slot plan
+    /// and eviction policies at other arena sizes, with the offline optimum
+    /// (Bélády) as the bound: hit % over all steps and decode steps only.
+    Replay(ReplayArgs),
     /// Measure the disk under a file as the pager reads it: random reads of
     /// expert-sized blocks at queue depths, buffered and O_DIRECT, and one
     /// sequential stream (JSON lines; scripts/bench-disk tabulates them).
@@ -101,6 +105,60 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
     }
     let code = r["exit_code"].as_i64().unwrap_or_else(|| 128 + r["signal"].as_i64().unwrap_or(0));
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
+}
+
+#[derive(clap::Args)]
+struct ReplayArgs {
+    /// The trace: a CSV written by `--sdq-trace FILE`.
+    trace: PathBuf,
+    /// Arena sizes to replay at: the bytes for expert slots, which a live
+    /// run's stats file gives as arena_bytes (K/M/G suffixes).
+    #[arg(long = "ram-budget", value_delimiter = ',', required_unless_present = "cycles")]
+    ram_budget: Vec<String>,
+    /// Arena sizes as multiples of the trace's token cycle (Σ over layers of
+    /// top-k × bytes per expert): 0.5,1,2,4.
+    #[arg(long, value_delimiter = ',')]
+    cycles: Vec<f64>,
+    /// Eviction policies to replay: names, or all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    policy: Vec<String>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn replay(a: ReplayArgs) -> sdq::Result<()> {
+    use sdq::pager::policy::PolicyKind;
+    let trace = sdq::trace::Trace::open(&a.trace)?;
+    let mut policies = Vec::new();
+    for p in &a.policy {
+        if p.trim().eq_ignore_ascii_case("all") {
+            policies.extend(PolicyKind::ALL);
+        } else {
+            policies.push(PolicyKind::parse(p).map_err(|e| sdq::Error::invalid(format!("--policy: {e}")))?);
+        }
+    }
+    policies.dedup();
+    let mut sizes = a
+        .ram_budget
+        .iter()
+        .map(|s| sdq::budget::parse_size(s).map_err(|e| sdq::Error::invalid(format!("--ram-budget: {e}"))))
+        .collect::<sdq::Result<Vec<u64>>>()?;
+    for &c in &a.cycles {
+        if !(c.is_finite() && c > 0.0 && c < 1e6) {
+            return Err(sdq::Error::invalid(format!("--cycles: '{c}' is not a positive multiple")));
+        }
+        sizes.push((c * trace.token_cycle() as f64) as u64);
+    }
+    sizes.sort_unstable();
+    sizes.dedup();
+    let report = sdq::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("serialize"));
+    } else {
+        print!("{}", report.render());
+    }
+    Ok(())
 }
 
 #[derive(clap::Args)]
@@ -339,7 +397,10 @@ fn main() -> ExitCode {
     let cli = Cli::parse_from(args);
     // Only `sdq eval` runs a model in this process; `inspect` just reads the budget.
     if opts.budget.is_some() && matches!(cli.command, Command::Eval(_)) {
-        sdq::runtime::install(opts.clone());
+        if let Err(e) = sdq::runtime::install(opts.clone()) {
+            eprintln!("sdq: error: {e}");
+            return ExitCode::FAILURE;
+        }
         sdq::hooks::install();
     }
     let result = match cli.command {
@@ -348,6 +409,7 @@ fn main() -> ExitCode {
         Command::Demo(a) => demo(a),
         Command::Inspect(a) => inspect(a, &opts),
         Command::BenchDisk(a) => bench_disk(a),
+        Command::Replay(a) => replay(a),
         Command::Limit(a) => match limit(a) {
             Ok(code) => return code,
             Err(e) => Err(e),

@@ -35,6 +35,23 @@ impl SlotClass {
     pub fn slots(&self) -> std::ops::Range<SlotId> {
         self.first..self.first + self.count
     }
+
+    /// Lays out `counts[i]` slots for experts of `expert_bytes[i]` bytes, one
+    /// class after another; returns the classes and the bytes they span.
+    pub fn tile(classes: &[(usize, usize)]) -> io::Result<(Vec<SlotClass>, usize)> {
+        let mut out = Vec::with_capacity(classes.len());
+        let (mut offset, mut first) = (0usize, 0usize);
+        for &(expert_bytes, count) in classes {
+            let slot_bytes = slot_bytes(expert_bytes);
+            out.push(SlotClass { expert_bytes, slot_bytes, first, count, offset });
+            offset = slot_bytes
+                .checked_mul(count)
+                .and_then(|b| b.checked_add(offset))
+                .ok_or_else(|| io::Error::other("arena size overflows"))?;
+            first += count;
+        }
+        Ok((out, offset))
+    }
 }
 
 /// The mapping. Invariants: `base..base+len` is a live private anonymous
@@ -56,18 +73,8 @@ impl Arena {
     /// Maps an arena holding `counts[i]` slots of `expert_bytes[i]` bytes.
     /// Pages are only committed as slots are filled.
     pub fn new(classes: &[(usize, usize)]) -> io::Result<Arena> {
-        let mut out = Vec::with_capacity(classes.len());
-        let (mut offset, mut first) = (0usize, 0usize);
-        for &(expert_bytes, count) in classes {
-            let slot_bytes = slot_bytes(expert_bytes);
-            out.push(SlotClass { expert_bytes, slot_bytes, first, count, offset });
-            offset = slot_bytes
-                .checked_mul(count)
-                .and_then(|b| b.checked_add(offset))
-                .ok_or_else(|| io::Error::other("arena size overflows"))?;
-            first += count;
-        }
-        let len = offset.max(SLOT_ALIGN);
+        let (out, bytes) = SlotClass::tile(classes)?;
+        let len = bytes.max(SLOT_ALIGN);
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(

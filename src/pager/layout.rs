@@ -211,13 +211,29 @@ impl Layout {
             let expert_bytes = parts.iter().map(|p| p.bytes).sum();
             layers.insert(layer, LayerLayout { layer, n_expert: n_expert as u32, parts, expert_bytes, slot_extent: slot_offset, class: 0 });
         }
+        Ok(Layout::classified(layers))
+    }
+
+    /// The layout of `layers`, each given the class of its slot extent.
+    fn classified(mut layers: BTreeMap<u32, LayerLayout>) -> Layout {
         let mut class_bytes: Vec<usize> = layers.values().map(|l| l.slot_extent).collect();
         class_bytes.sort_unstable();
         class_bytes.dedup();
         for l in layers.values_mut() {
             l.class = class_bytes.binary_search(&l.slot_extent).expect("listed size");
         }
-        Ok(Layout { layers, class_bytes })
+        Layout { layers, class_bytes }
+    }
+
+    /// A layout of sizes alone, with no file behind it (for `sdq replay`
+    /// and planning): (layer, experts, bytes per expert, slot extent).
+    pub fn from_sizes(layers: impl IntoIterator<Item = (u32, u32, usize, usize)>) -> Layout {
+        Layout::classified(
+            layers
+                .into_iter()
+                .map(|(layer, n_expert, expert_bytes, slot_extent)| (layer, LayerLayout { layer, n_expert, parts: Vec::new(), expert_bytes, slot_extent, class: 0 }))
+                .collect(),
+        )
     }
 
     /// How many layers use each slot class.
@@ -300,15 +316,7 @@ mod tests {
     }
 
     fn layout(sizes: &[usize], n_expert: u32) -> Layout {
-        let mut layers = BTreeMap::new();
-        let mut class_bytes: Vec<usize> = sizes.to_vec();
-        class_bytes.sort_unstable();
-        class_bytes.dedup();
-        for (i, &b) in sizes.iter().enumerate() {
-            let class = class_bytes.binary_search(&b).unwrap();
-            layers.insert(i as u32, LayerLayout { layer: i as u32, n_expert, parts: vec![], expert_bytes: b, slot_extent: b, class });
-        }
-        Layout { layers, class_bytes }
+        Layout::from_sizes(sizes.iter().enumerate().map(|(i, &b)| (i as u32, n_expert, b, b)))
     }
 
     #[test]

@@ -8,7 +8,7 @@
 //! is waiting, and a batch that needs a queued prefetch promotes it.
 //!
 //! Invariants (checked by the tests and asserted where cheap):
-//! - a key is in `table` only while its slot holds exactly that expert's bytes
+//! - a key is in the residency only while its slot holds exactly that expert's bytes
 //!   or is being filled with them (`ready == false`); readers wait for `ready`;
 //! - a slot being filled is pinned by its loader, so it is never chosen as a
 //!   victim, and nobody else reads or writes it;
@@ -19,13 +19,15 @@ pub mod arena;
 pub mod io;
 pub mod layout;
 pub mod policy;
+pub mod residency;
 
 use crate::error::{Error, Result};
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
-use policy::Lru;
+use policy::PolicyKind;
+use residency::Residency;
 use std::collections::HashMap;
-use std::collections::{HashSet, VecDeque};
+use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -34,7 +36,6 @@ pub type ExpertKey = (u32, u32);
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Slot {
-    key: Option<ExpertKey>,
     pins: u32,
     ready: bool,
     /// Parts still being read (while loading).
@@ -80,8 +81,8 @@ pub struct LayerCounts {
 
 struct State {
     slots: Vec<Slot>,
-    table: HashMap<ExpertKey, SlotId>,
-    lru: Lru,
+    /// Which expert each slot holds, and the eviction policy.
+    res: Residency,
     counts: HashMap<u32, LayerCounts>,
     bytes_read: u64,
     /// Bytes asked of the disk: bytes_read plus direct I/O's alignment padding.
@@ -230,7 +231,7 @@ impl Drop for PinnedExpert<'_> {
 impl Pager {
     /// A pager over `layout` with `slots[i]` slots for class i, reading
     /// with `readers` threads, its arena faulted in as `populate` says.
-    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate) -> Result<Pager> {
+    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
         let arena = Arena::new(&classes)
@@ -238,8 +239,7 @@ impl Pager {
         let n = arena.n_slots();
         let state = State {
             slots: vec![Slot::default(); n],
-            table: HashMap::new(),
-            lru: Lru::new(n),
+            res: Residency::new(n, policy.build(n)),
             counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
             bytes_read: 0,
             device_bytes: 0,
@@ -321,38 +321,31 @@ impl Pager {
         }
         let ll = &sh.layout.layers[&layer];
         let class = sh.arena.classes()[ll.class].slots();
-        let batch: HashSet<ExpertKey> = experts.iter().map(|&e| (layer, e)).collect();
-        let mut deferred = Vec::new();
         let mut jobs = Vec::new();
         let mut st = sh.lock();
-        for &e in experts {
-            let key = (layer, e);
-            if let Some(&slot) = st.table.get(&key) {
-                let s = &mut st.slots[slot];
-                let (prefetched, ready) = (std::mem::take(&mut s.prefetched), s.ready);
+        let admission = {
+            let State { slots, res, .. } = &mut *st;
+            // Slots still pinned belong to reads in flight (prefetches).
+            res.admit(layer, class, experts, &|s| slots[s].pins == 0)
+        };
+        let c = st.counts.get_mut(&layer).expect("layer counted");
+        c.hits += admission.hits.len() as u64;
+        c.misses += (admission.fills.len() + admission.deferred.len()) as u64;
+        for &(_, slot) in &admission.hits {
+            let s = &mut st.slots[slot];
+            let (prefetched, ready) = (std::mem::take(&mut s.prefetched), s.ready);
+            if prefetched {
                 let c = st.counts.get_mut(&layer).expect("layer counted");
-                c.hits += 1;
-                if prefetched {
-                    c.prefetch_used += 1;
-                    if !ready {
-                        c.prefetch_late += 1;
-                        sh.promote(slot);
-                    }
+                c.prefetch_used += 1;
+                if !ready {
+                    c.prefetch_late += 1;
+                    sh.promote(slot);
                 }
-                continue;
             }
-            st.counts.get_mut(&layer).expect("layer counted").misses += 1;
-            let victim = {
-                let (slots, batch) = (&st.slots, &batch);
-                st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !matches!(slots[s].key, Some(k) if batch.contains(&k)))
-            };
-            match victim {
-                Some(slot) => {
-                    jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
-                    st.slots[slot].awaiting = true;
-                }
-                None => deferred.push(e),
-            }
+        }
+        for f in &admission.fills {
+            jobs.extend(sh.start_load(&mut st, f.slot, ll, f.expert, f.evicted, false));
+            st.slots[f.slot].awaiting = true;
         }
         if !jobs.is_empty() {
             let id = st.next_batch;
@@ -365,7 +358,7 @@ impl Pager {
         }
         drop(st);
         sh.submit(jobs, Lane::Demand);
-        Ok(deferred)
+        Ok(admission.deferred)
     }
 
     /// Starts reading the experts of `layer` in `experts` (best first) that
@@ -379,15 +372,16 @@ impl Pager {
         let mut jobs = Vec::new();
         let mut st = sh.lock();
         for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
-            if st.table.contains_key(&(layer, e)) {
+            if st.res.slot_of((layer, e)).is_some() {
                 continue;
             }
             let victim = {
-                let slots = &st.slots;
-                st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !matches!(slots[s].key, Some((l, _)) if l == current || l == layer))
+                let (slots, res) = (&st.slots, &st.res);
+                res.victim(class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some((l, _)) if l == current || l == layer))
             };
             let Some(slot) = victim else { break };
-            jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
+            let evicted = st.res.fill(slot, (layer, e));
+            jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
             st.slots[slot].prefetched = true;
             st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
         }
@@ -409,17 +403,18 @@ impl Pager {
             .arena
             .classes()
             .iter()
-            .map(|c| c.slots().filter(|&s| st.slots[s].key.is_none() && st.slots[s].pins == 0).collect())
+            .map(|c| c.slots().filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
             .collect();
         let mut jobs = Vec::new();
         let mut queued = 0;
         for ll in sh.layout.layers.values() {
             for e in 0..ll.n_expert {
-                if st.table.contains_key(&(ll.layer, e)) {
+                if st.res.slot_of((ll.layer, e)).is_some() {
                     continue;
                 }
                 let Some(slot) = free[ll.class].pop_front() else { break };
-                jobs.extend(sh.start_load(&mut st, slot, ll, e, false));
+                let evicted = st.res.fill(slot, (ll.layer, e));
+                jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
                 st.slots[slot].prefetched = true;
                 st.counts.get_mut(&ll.layer).expect("layer counted").preloaded += 1;
                 queued += 1;
@@ -434,7 +429,7 @@ impl Pager {
     /// in a slot and fully read.
     pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {
         let st = self.shared.lock();
-        candidates.into_iter().find(|&(_, e)| st.table.get(&(layer, e)).is_some_and(|&s| st.slots[s].ready)).map(|(i, _)| i)
+        candidates.into_iter().find(|&(_, e)| st.res.slot_of((layer, e)).is_some_and(|s| st.slots[s].ready)).map(|(i, _)| i)
     }
 
     /// Pins expert `expert` of `layer`, reading it into a slot on a miss
@@ -449,11 +444,10 @@ impl Pager {
             if let Some(msg) = st.errors.get(&key) {
                 return Err(Error::invalid(msg.clone()));
             }
-            if let Some(&slot) = st.table.get(&key) {
+            if let Some(slot) = st.res.slot_of(key) {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
                     st.slots[slot].awaiting = false;
-                    st.lru.touch(slot);
                     return Ok(PinnedExpert { pager: self, slot, expert, layer: ll });
                 }
                 // Being read (by the readers, for this or another thread): wait.
@@ -466,13 +460,15 @@ impl Pager {
             // A slot a batch is still waiting to use goes last: evicting it
             // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
-            let victim = st.lru.victim(class.clone(), |s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.lru.victim(class.clone(), |s| slots[s].pins == 0));
+            let victim = st.res.victim(class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.res.victim(class.clone(), &|s| slots[s].pins == 0));
             match victim {
                 Some(victim) => {
                     if count == Count::Later {
                         st.counts.get_mut(&layer).expect("layer counted").rereads += 1;
                     }
-                    let jobs = sh.start_load(&mut st, victim, ll, expert, true);
+                    let evicted = st.res.fill(victim, key);
+                    st.res.used(victim);
+                    let jobs = sh.start_load(&mut st, victim, ll, expert, evicted, true);
                     drop(st);
                     sh.submit(jobs, Lane::Demand);
                     st = sh.lock();
@@ -480,9 +476,8 @@ impl Pager {
                         if let Some(msg) = st.errors.get(&key) {
                             return Err(Error::invalid(msg.clone()));
                         }
-                        if st.slots[victim].ready && st.slots[victim].key == Some(key) {
+                        if st.slots[victim].ready && st.res.key(victim) == Some(key) {
                             // The load's pin is now this acquire's.
-                            st.lru.touch(victim);
                             return Ok(PinnedExpert { pager: self, slot: victim, expert, layer: ll });
                         }
                         st = sh.wait(st);
@@ -534,18 +529,17 @@ impl Shared {
         self.changed.wait(st).unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Gives `slot` to `expert` (evicting what it held), pinned by the load
-    /// until every part is read; returns the read jobs.
-    fn start_load(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, keep_pin: bool) -> Vec<Job> {
-        let key = (ll.layer, expert);
-        if let Some(old) = st.slots[slot].key.take() {
-            st.table.remove(&old);
+    /// Starts reading `expert` into `slot`, which the residency has just
+    /// given it (it held `evicted`): pinned by the load until every part is
+    /// read. Returns the read jobs.
+    fn start_load(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, evicted: Option<ExpertKey>, keep_pin: bool) -> Vec<Job> {
+        debug_assert_eq!(st.res.key(slot), Some((ll.layer, expert)));
+        if let Some(old) = evicted {
             if st.slots[slot].prefetched {
                 st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
             }
         }
         st.slots[slot] = Slot {
-            key: Some(key),
             pins: 1,
             ready: false,
             parts_left: ll.parts.len() as u32,
@@ -556,7 +550,6 @@ impl Shared {
             prefetched: false,
             awaiting: false,
         };
-        st.table.insert(key, slot);
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
     }
 
@@ -707,16 +700,14 @@ impl Shared {
         }
         let (failed, started) = (s.failed, s.started.take());
         if failed {
-            st.table.remove(&key);
+            st.res.clear(job.slot);
             st.slots[job.slot] = Slot::default();
-            st.lru.forget(job.slot);
         } else {
             let s = &mut st.slots[job.slot];
             s.ready = true;
             if !s.keep_pin {
                 s.pins -= 1;
             }
-            st.lru.touch(job.slot);
             let ll = &self.layout.layers[&job.layer];
             st.bytes_read += ll.expert_bytes as u64;
             st.device_bytes += ll.parts.iter().map(|p| p.read_len(job.expert) as u64).sum::<u64>();

@@ -1,0 +1,289 @@
+//! `sdq replay`: a routing trace run offline through the pager's own slot
+//! plan, residency and eviction policies, with the reads left out, at any
+//! arena size; and the offline optimum (Bélády) as the bound.
+//!
+//! The accounting is the pager's: one lookup per distinct expert per batch
+//! (a layer of one step), counted as a hit when the expert is in a slot at
+//! the batch's start; a miss takes the policy's victim among slots holding
+//! none of the batch's experts, and a miss no such slot is left for takes
+//! one once the batch is done with the others (as a pager with one compute
+//! thread does). A trace recorded with prefetching off (`SDQ_PREFETCH=0`)
+//! and no preloading therefore replays to the live run's exact counts.
+
+use crate::error::{Error, Result};
+use crate::pager::arena::SlotClass;
+use crate::pager::layout::Layout;
+use crate::pager::policy::PolicyKind;
+use crate::pager::residency::Residency;
+use crate::pager::ExpertKey;
+use crate::trace::{Phase, Trace};
+use std::collections::{BTreeSet, HashMap};
+
+/// Hits and misses of one replay.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Tally {
+    pub hits: u64,
+    pub misses: u64,
+    /// Of those, in decode steps.
+    pub decode_hits: u64,
+    pub decode_misses: u64,
+    /// Bytes the misses read: Σ misses × the layer's bytes per expert.
+    pub bytes_read: u64,
+}
+
+impl Tally {
+    fn count(&mut self, phase: Phase, hits: usize, misses: usize, expert_bytes: u64) {
+        self.hits += hits as u64;
+        self.misses += misses as u64;
+        if phase == Phase::Decode {
+            self.decode_hits += hits as u64;
+            self.decode_misses += misses as u64;
+        }
+        self.bytes_read += misses as u64 * expert_bytes;
+    }
+
+    /// Hits over lookups, in percent (0 with no lookups).
+    pub fn hit_pct(&self) -> f64 {
+        pct(self.hits, self.misses)
+    }
+
+    pub fn decode_hit_pct(&self) -> f64 {
+        pct(self.decode_hits, self.decode_misses)
+    }
+}
+
+fn pct(hits: u64, misses: u64) -> f64 {
+    if hits + misses == 0 {
+        0.0
+    } else {
+        100.0 * hits as f64 / (hits + misses) as f64
+    }
+}
+
+/// The trace's layers as the pager lays them out: slot classes by slot extent.
+pub fn layout_of(trace: &Trace) -> Layout {
+    Layout::from_sizes(trace.layers.values().map(|l| (l.layer, l.experts, l.bytes as usize, l.slot as usize)))
+}
+
+/// The slot classes the pager plans for an arena of `arena_bytes`.
+pub fn plan(trace: &Trace, layout: &Layout, arena_bytes: u64) -> Result<Vec<SlotClass>> {
+    let slots = layout.plan_slots(arena_bytes, trace.top_k)?;
+    let (classes, _) = SlotClass::tile(&slots).map_err(|e| Error::invalid(format!("an arena of {arena_bytes} bytes: {e}")))?;
+    Ok(classes)
+}
+
+/// The trace replayed through `policy` over `classes`.
+pub fn replay(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: PolicyKind) -> Tally {
+    let n_slots: usize = classes.iter().map(|c| c.count).sum();
+    let mut res = Residency::new(n_slots, policy.build(n_slots));
+    let mut tally = Tally::default();
+    for b in &trace.batches {
+        let ll = &layout.layers[&b.layer];
+        let class = classes[ll.class].slots();
+        let adm = res.admit(b.layer, class.clone(), &b.experts, &|_| true);
+        tally.count(b.phase, adm.hits.len(), adm.fills.len() + adm.deferred.len(), ll.expert_bytes as u64);
+        for &e in &adm.deferred {
+            let slot = res.victim(class.clone(), &|_| true).expect("a class has slots");
+            res.fill(slot, (b.layer, e));
+            res.used(slot);
+        }
+    }
+    tally
+}
+
+/// The most hits any policy can have over `classes` with the same
+/// accounting (Bélády): each class keeps, after each batch, the experts of
+/// its slots and of the batch whose next use comes soonest. It may even
+/// leave out one of the batch's own experts, which the pager never does, so
+/// this bounds every policy from above.
+pub fn belady(trace: &Trace, layout: &Layout, classes: &[SlotClass]) -> Tally {
+    // The next batch (index into trace.batches) using each expert of each batch.
+    let mut next_use: Vec<Vec<usize>> = vec![Vec::new(); trace.batches.len()];
+    let mut seen: HashMap<ExpertKey, usize> = HashMap::new();
+    for (i, b) in trace.batches.iter().enumerate().rev() {
+        next_use[i] = b.experts.iter().map(|&e| seen.insert((b.layer, e), i).unwrap_or(usize::MAX)).collect();
+    }
+    // Per class: what it holds, by next use (farthest last).
+    let mut held: Vec<BTreeSet<(usize, ExpertKey)>> = vec![BTreeSet::new(); classes.len()];
+    let mut when: HashMap<ExpertKey, usize> = HashMap::new();
+    let mut tally = Tally::default();
+    for (i, b) in trace.batches.iter().enumerate() {
+        let ll = &layout.layers[&b.layer];
+        let set = &mut held[ll.class];
+        let mut hits = 0;
+        for (&e, &next) in b.experts.iter().zip(&next_use[i]) {
+            let key = (b.layer, e);
+            if let Some(t) = when.insert(key, next) {
+                set.remove(&(t, key));
+                hits += 1;
+            }
+            set.insert((next, key));
+        }
+        while set.len() > classes[ll.class].count {
+            let (_, key) = set.pop_last().expect("over capacity");
+            when.remove(&key);
+        }
+        tally.count(b.phase, hits, b.experts.len() - hits, ll.expert_bytes as u64);
+    }
+    tally
+}
+
+/// One budget's results.
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub arena_bytes: u64,
+    /// (slot bytes, slots) per class.
+    pub slots: Vec<(usize, usize)>,
+    pub policies: Vec<(PolicyKind, Tally)>,
+    pub belady: Tally,
+}
+
+/// The trace replayed at `arena_bytes` through each of `policies`, with the bound.
+pub fn run(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind]) -> Result<Outcome> {
+    let layout = layout_of(trace);
+    let classes = plan(trace, &layout, arena_bytes)?;
+    let belady = belady(trace, &layout, &classes);
+    let policies = policies
+        .iter()
+        .map(|&p| {
+            let t = replay(trace, &layout, &classes, p);
+            // A policy above the optimum means the replay or the bound is wrong.
+            assert!(t.hits <= belady.hits, "{} has {} hits, above Bélády's {}", p.name(), t.hits, belady.hits);
+            (p, t)
+        })
+        .collect();
+    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady })
+}
+
+/// A replay at several arena sizes, for printing.
+pub struct Report {
+    pub trace: String,
+    pub top_k: usize,
+    pub layers: usize,
+    pub prompt_steps: u64,
+    pub decode_steps: u64,
+    pub token_cycle: u64,
+    pub outcomes: Vec<Outcome>,
+}
+
+impl Report {
+    /// The trace replayed at each of `arena_sizes` through each of `policies`.
+    pub fn new(trace_name: &str, trace: &Trace, arena_sizes: &[u64], policies: &[PolicyKind]) -> Result<Report> {
+        let mut steps: Vec<(u64, Phase)> = trace.batches.iter().map(|b| (b.step, b.phase)).collect();
+        steps.dedup();
+        let outcomes = arena_sizes.iter().map(|&a| run(trace, a, policies)).collect::<Result<Vec<_>>>()?;
+        Ok(Report {
+            trace: trace_name.to_string(),
+            top_k: trace.top_k,
+            layers: trace.layers.len(),
+            prompt_steps: steps.iter().filter(|s| s.1 == Phase::Prompt).count() as u64,
+            decode_steps: steps.iter().filter(|s| s.1 == Phase::Decode).count() as u64,
+            token_cycle: trace.token_cycle(),
+            outcomes,
+        })
+    }
+
+    /// A table: one row per arena size and policy, then the bound.
+    pub fn render(&self) -> String {
+        use crate::budget::human;
+        let mut out = format!(
+            "{}: {} paged layers, top-{}, {} prompt and {} decode steps; token cycle {} (Σ top-k × bytes per expert)\n",
+            self.trace,
+            self.layers,
+            self.top_k,
+            self.prompt_steps,
+            self.decode_steps,
+            human(self.token_cycle)
+        );
+        out += &format!("{:>11} {:>7} {:>8} {:>7} {:>9} {:>10} {:>12}\n", "arena", "cycles", "policy", "hit %", "decode %", "misses", "read");
+        for o in &self.outcomes {
+            let cycles = o.arena_bytes as f64 / self.token_cycle.max(1) as f64;
+            let rows = o.policies.iter().map(|(p, t)| (p.name(), t)).chain(std::iter::once(("belady", &o.belady)));
+            for (name, t) in rows {
+                out += &format!(
+                    "{:>11} {:>7.2} {:>8} {:>7.1} {:>9.1} {:>10} {:>12}\n",
+                    human(o.arena_bytes),
+                    cycles,
+                    name,
+                    t.hit_pct(),
+                    t.decode_hit_pct(),
+                    t.misses,
+                    human(t.bytes_read)
+                );
+            }
+        }
+        out
+    }
+
+    pub fn to_json(&self) -> serde_json::Value {
+        use serde_json::json;
+        let tally = |t: &Tally| {
+            json!({
+                "hits": t.hits, "misses": t.misses, "hit_pct": t.hit_pct(),
+                "decode_hits": t.decode_hits, "decode_misses": t.decode_misses, "decode_hit_pct": t.decode_hit_pct(),
+                "bytes_read": t.bytes_read,
+            })
+        };
+        json!({
+            "trace": self.trace,
+            "top_k": self.top_k,
+            "layers": self.layers,
+            "prompt_steps": self.prompt_steps,
+            "decode_steps": self.decode_steps,
+            "token_cycle_bytes": self.token_cycle,
+            "results": self.outcomes.iter().map(|o| json!({
+                "arena_bytes": o.arena_bytes,
+                "token_cycles": o.arena_bytes as f64 / self.token_cycle.max(1) as f64,
+                "slot_classes": o.slots.iter().map(|&(b, n)| json!({"slot_bytes": b, "slots": n})).collect::<Vec<_>>(),
+                "policies": o.policies.iter().map(|(p, t)| { let mut v = tally(t); v["policy"] = json!(p.name()); v }).collect::<Vec<_>>(),
+                "belady": tally(&o.belady),
+            })).collect::<Vec<_>>(),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::Trace;
+    use std::path::Path;
+
+    /// A trace of `steps` decoded tokens over `layers` layers of 16 experts
+    /// each, top-2, where token t picks experts t mod 16 and a popular 0.
+    fn cyclic(layers: u32, steps: u64) -> Trace {
+        let mut text = String::from("# top_k=2\n");
+        for l in 0..layers {
+            text += &format!("# layer={l} bytes=4096 experts=16\n");
+        }
+        text += "step,phase,layer,expert,weight\n";
+        for s in 0..steps {
+            for l in 0..layers {
+                text += &format!("{s},d,{l},0,0.5\n{s},d,{l},{},0.5\n", 1 + (s + l as u64) % 15);
+            }
+        }
+        Trace::read(Path::new("t"), text.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn lru_falls_off_the_cycle_and_belady_does_not() {
+        let t = cyclic(4, 50);
+        assert_eq!(t.token_cycle(), 4 * 2 * 4096);
+        // At one token cycle (8 slots for 4 layers' 2 experts) LRU keeps
+        // each layer's last two experts: expert 0 is a hit.
+        let o = run(&t, t.token_cycle(), &[PolicyKind::Lru]).unwrap();
+        assert_eq!(o.slots, vec![(4096, 8)]);
+        let lru = o.policies[0].1;
+        assert_eq!((lru.hits, lru.misses), (4 * 49, 400 - 4 * 49));
+        assert_eq!((lru.decode_hits, lru.bytes_read), (lru.hits, lru.misses * 4096));
+        // Below it, the least recently used is what the next layer needs.
+        let o = run(&t, 6 * 4096, &[PolicyKind::Lru]).unwrap();
+        assert_eq!(o.slots, vec![(4096, 6)]);
+        assert_eq!(o.policies[0].1.hits, 0, "LRU evicts exactly what the next layer needs");
+        // Bélády keeps each layer's expert 0 in 4 slots.
+        assert!(o.belady.hits >= 4 * 49, "{:?}", o.belady);
+        // Every expert fits: only first uses miss.
+        let o = run(&t, 64 * 4096, &[PolicyKind::Lru]).unwrap();
+        assert_eq!(o.policies[0].1.misses, 4 * 16);
+        assert_eq!(o.belady.misses, 4 * 16);
+    }
+}
