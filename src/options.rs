@@ -48,7 +48,8 @@ pub const HELP: &str = "\
 --sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
---sdq-policy NAME        which arena slot to evict: lru (env: SDQ_POLICY; default lru)
+--sdq-policy NAME        which arena slot to evict: freq (use counts with aging, the default)
+                         or lru (env: SDQ_POLICY)
 --sdq-trace FILE         record the routing as CSV, one row per selected expert, for
                          `sdq replay` (env: SDQ_TRACE_FILE)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)

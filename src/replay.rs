@@ -264,6 +264,66 @@ mod tests {
         Trace::read(Path::new("t"), text.as_bytes()).unwrap()
     }
 
+    /// A random trace: `layers` layers of 2 slot classes, prompt batches of
+    /// up to 40 tokens and decoded tokens, skewed routing.
+    fn random(seed: u64, layers: u32, n_expert: u32, top_k: u32, steps: u64) -> Trace {
+        // splitmix64
+        let mut state = seed;
+        let mut next = move || {
+            state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let mut text = format!("# top_k={top_k}\n");
+        for l in 0..layers {
+            text += &format!("# layer={l} bytes={} experts={n_expert}\n", 4096 * (1 + l % 2));
+        }
+        text += "step,phase,layer,expert,weight\n";
+        for s in 0..steps {
+            let tokens = if next() % 4 == 0 { 2 + next() % 39 } else { 1 };
+            let phase = if tokens > 1 { "p" } else { "d" };
+            for l in 0..layers {
+                for _ in 0..tokens {
+                    let mut picked = Vec::new();
+                    while picked.len() < top_k as usize {
+                        // Squaring a uniform draw favours low expert numbers.
+                        let u = (next() >> 40) as f32 / (1u64 << 24) as f32;
+                        let e = ((u * u * n_expert as f32) as u32).min(n_expert - 1);
+                        if !picked.contains(&e) {
+                            picked.push(e);
+                        }
+                    }
+                    for e in picked {
+                        text += &format!("{s},{phase},{l},{e},0.1\n");
+                    }
+                }
+            }
+        }
+        Trace::read(Path::new("random"), text.as_bytes()).unwrap()
+    }
+
+    #[test]
+    fn no_policy_beats_belady() {
+        for seed in 0..12 {
+            let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 60);
+            let layout = layout_of(&t);
+            let min = layout.min_arena_bytes(t.top_k);
+            for cycles in [0.25, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0, 100.0] {
+                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let o = run(&t, arena, &PolicyKind::ALL).unwrap();
+                let lookups: u64 = t.batches.iter().map(|b| b.experts.len() as u64).sum();
+                assert_eq!(o.belady.hits + o.belady.misses, lookups);
+                for (p, tally) in &o.policies {
+                    assert_eq!(tally.hits + tally.misses, lookups, "{}", p.name());
+                    assert!(tally.hits <= o.belady.hits, "seed {seed}, {cycles} cycles: {} {tally:?} above {:?}", p.name(), o.belady);
+                    assert!(tally.decode_hits + tally.decode_misses == o.belady.decode_hits + o.belady.decode_misses);
+                }
+            }
+        }
+    }
+
     #[test]
     fn lru_falls_off_the_cycle_and_belady_does_not() {
         let t = cyclic(4, 50);
