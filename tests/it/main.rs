@@ -7,6 +7,7 @@ mod inspect;
 mod limit;
 mod load;
 mod pager;
+mod replay;
 mod server;
 mod tools;
 mod util;

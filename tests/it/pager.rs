@@ -6,7 +6,6 @@ use crate::util::*;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 const MIB: u64 = 1 << 20;
 
@@ -56,10 +55,6 @@ fn long_prompt() -> PathBuf {
 }
 
 /// 256 experts top-8 on tiny's dimensions: 308 MB, experts 80 % of it.
-fn wide() -> &'static Path {
-    static WIDE: OnceLock<PathBuf> = OnceLock::new();
-    WIDE.get_or_init(|| gen_model("wide.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--seed", "3"]))
-}
 
 
 /// Budget for an arena of `arena` bytes, after a probe run told us what the

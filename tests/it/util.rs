@@ -37,6 +37,12 @@ pub fn tiny() -> &'static Path {
     TINY.get_or_init(|| gen_model("tiny.gguf", &["--preset", "tiny", "--seed", "1"]))
 }
 
+/// The tiny geometry with 256 experts, top-8 (the target's routing width).
+pub fn wide() -> &'static Path {
+    static WIDE: OnceLock<PathBuf> = OnceLock::new();
+    WIDE.get_or_init(|| gen_model("wide.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--seed", "3"]))
+}
+
 /// Runs `cmd` with stdin from /dev/null, killing it after `timeout_s`.
 pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
     let child = cmd

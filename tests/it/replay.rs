@@ -1,0 +1,130 @@
+//! Routing traces and `sdq replay`: a live run's trace, replayed at the live
+//! run's arena size, gives the live run's counts; no policy beats the
+//! offline optimum; the default policy beats LRU where LRU fails.
+
+use crate::util::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const MIB: u64 = 1 << 20;
+const PROMPT: &str = "The history of the city began with a small harbour";
+
+struct Live {
+    stats: Value,
+    trace: PathBuf,
+}
+
+/// `sdq eval` on the wide model with a trace, in `budget`, `threads`
+/// threads, the policy `policy`, and `env`.
+fn live(tag: &str, budget: &str, threads: u32, policy: &str, env: &[(&str, &str)]) -> Live {
+    let dir = scratch();
+    let (stats, trace) = (dir.join(format!("replay-{tag}.json")), dir.join(format!("replay-{tag}.csv")));
+    let o = run(
+        Command::new(bin("sdq"))
+            .args(["eval", "-m", wide().to_str().unwrap(), "-p", PROMPT, "-n", "40", "-t", &threads.to_string()])
+            .args(["--ram-budget", budget, "--sdq-reserve", "16M", "--sdq-policy", policy])
+            .args(["--sdq-stats", stats.to_str().unwrap(), "--sdq-trace", trace.to_str().unwrap()])
+            .envs(env.iter().copied()),
+        300,
+    );
+    assert!(o.status.success(), "sdq eval {tag}: {}", stderr(&o));
+    let stats = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    Live { stats, trace }
+}
+
+fn replay(trace: &Path, args: &[&str]) -> Value {
+    let o = run(Command::new(bin("sdq")).arg("replay").arg(trace).args(args).arg("--json"), 120);
+    assert!(o.status.success(), "sdq replay {args:?}: {}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&o)))
+}
+
+/// The replayed tally of `policy` in a replay's result `r`.
+fn tally<'a>(r: &'a Value, policy: &str) -> &'a Value {
+    r["policies"].as_array().unwrap().iter().find(|p| p["policy"] == policy).unwrap_or_else(|| panic!("no {policy} in {r}"))
+}
+
+#[test]
+fn replay_reproduces_the_live_hit_rate() {
+    // A probe learns what the process holds after load and the token cycle.
+    let probe = live("probe", "2G", 2, "freq", &[]);
+    let cycle = u(&replay(&probe.trace, &["--cycles", "1"]), "token_cycle_bytes");
+    let after_load = u(&probe.stats, "rss_anon_after_load_bytes");
+    for (policy, threads, cycles) in [("freq", 1, 1.0), ("lru", 1, 1.0), ("freq", 1, 2.5), ("freq", 2, 1.0)] {
+        // An arena of about `cycles` token cycles; 4 MiB of slack for the
+        // anonymous memory after load, which varies a little between runs.
+        let budget = (after_load + 16 * MIB + (cycles * cycle as f64) as u64 + 4 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
+        let tag = format!("{policy}-{threads}t-{cycles}");
+        // Prefetching reads what the live run predicts; the trace does not say what.
+        let l = live(&tag, &budget, threads, policy, &[("SDQ_PREFETCH", "0")]);
+        let s = &l.stats;
+        let arena = u(s, "arena_bytes");
+        assert!(arena as f64 > 0.9 * cycles * cycle as f64, "{tag}: arena {arena} for {cycles} cycles of {cycle}");
+        assert!(u(s, "hits") > 0 && u(s, "misses") > 0, "{tag}: {s}");
+        let r = &replay(&l.trace, &["--ram-budget", &arena.to_string(), "--policy", policy])["results"][0];
+        let slots: Vec<u64> = r["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
+        let live_slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
+        assert_eq!(slots, live_slots, "{tag}: the replay plans the live arena");
+        let t = tally(r, policy);
+        eprintln!("{tag}: live {} hits {} misses, replay {} / {}, Bélády {}", u(s, "hits"), u(s, "misses"), u(t, "hits"), u(t, "misses"), u(&r["belady"], "hits"));
+        assert_eq!(u(t, "hits") + u(t, "misses"), u(s, "hits") + u(s, "misses"), "{tag}: lookups");
+        // One compute thread takes a batch's experts in one order; two may
+        // give an expert left without a slot a different victim.
+        if threads == 1 {
+            assert_eq!((u(t, "hits"), u(t, "misses")), (u(s, "hits"), u(s, "misses")), "{tag}: replay vs live");
+        } else {
+            let (live_pct, replay_pct) = (100.0 * s["hit_rate"].as_f64().unwrap(), t["hit_pct"].as_f64().unwrap());
+            assert!((live_pct - replay_pct).abs() <= 1.0, "{tag}: live {live_pct:.2} % vs replay {replay_pct:.2} %");
+        }
+        assert_eq!(u(t, "bytes_read"), u(s, "bytes_read"), "{tag}: bytes read");
+        assert!(u(t, "hits") <= u(&r["belady"], "hits"), "{tag}: above the optimum");
+    }
+}
+
+#[test]
+fn the_default_policy_beats_lru_at_one_token_cycle_and_never_loses_to_it() {
+    let l = live("policies", "2G", 2, "freq", &[]);
+    let cycles = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
+    let list = cycles.map(|c| c.to_string()).join(",");
+    let report = replay(&l.trace, &["--cycles", &list, "--policy", "all"]);
+    for (r, c) in report["results"].as_array().unwrap().iter().zip(cycles) {
+        let pct = |p: &str| tally(r, p)["hit_pct"].as_f64().unwrap();
+        let belady = r["belady"]["hit_pct"].as_f64().unwrap();
+        eprintln!("{c} cycles: freq {:.1} %, lru {:.1} %, Bélády {belady:.1} %", pct("freq"), pct("lru"));
+        assert!(pct("freq") <= belady && pct("lru") <= belady, "{c} cycles: above the optimum: {r}");
+        if c == 1.0 {
+            assert!(pct("freq") >= pct("lru") + 15.0, "one token cycle: {r}");
+        }
+        if c >= 1.0 {
+            assert!(pct("freq") >= pct("lru") - 1.0, "{c} cycles: {r}");
+        }
+    }
+}
+
+#[test]
+fn traces_and_replays_refuse_bad_input_clearly() {
+    // A trace needs the pager.
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--sdq-trace", "/tmp/x.csv"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--sdq-trace needs --ram-budget"), "{}", stderr(&o));
+    // An unwritable trace fails before the model loads, naming the file.
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-trace", "/nonexistent/t.csv"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot create trace file /nonexistent/t.csv"), "{}", stderr(&o));
+    // Unknown policies list the known ones.
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-policy", "mru"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("--sdq-policy: unknown policy 'mru' (one of: freq, lru)"), "{}", stderr(&o));
+    // A malformed trace names its file and line, without a backtrace.
+    let bad = scratch().join("bad-trace.csv");
+    std::fs::write(&bad, "# layer=0 bytes=100 experts=4\nstep,phase,layer,expert,weight\n0,d,0,1,0.5\n0,d,0,9,0.5\n").unwrap();
+    let o = run(Command::new(bin("sdq")).arg("replay").arg(&bad).args(["--ram-budget", "1M"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    let e = stderr(&o);
+    assert!(e.contains(&format!("{}:4: expert 9 of layer 0 is out of range (4 experts)", bad.display())) && !e.contains("panicked"), "{e}");
+    // An arena below one layer's top-k says what it needs.
+    std::fs::write(&bad, "# layer=0 bytes=100 experts=4\nstep,phase,layer,expert,weight\n0,d,0,1,0.5\n0,d,0,2,0.5\n").unwrap();
+    let o = run(Command::new(bin("sdq")).arg("replay").arg(&bad).args(["--ram-budget", "4K"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("cannot hold one layer's top-2 experts"), "{}", stderr(&o));
+}
