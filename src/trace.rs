@@ -27,6 +27,12 @@ use std::path::{Path, PathBuf};
 
 pub const HEADER: &str = "step,phase,layer,expert,weight";
 
+/// Layer numbers and expert counts a trace may give: far beyond any model's
+/// (the 35B-A3B has 40 layers of 256), and small enough that a replay's
+/// tables by layer and expert stay small.
+pub const MAX_LAYERS: u32 = 1 << 12;
+pub const MAX_EXPERTS: u32 = 1 << 16;
+
 /// Whether a batch is (part of) a prompt or one decoded token.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Phase {
@@ -119,10 +125,10 @@ impl Trace {
                         top_k = Some(number(v).filter(|&k| k > 0 && k <= 1 << 16).ok_or_else(|| bad(n, format!("top_k '{v}' is not a positive count")))? as usize);
                     }
                     if let Some(v) = fields.get("layer") {
-                        let layer = number(v).filter(|&l| l <= u32::MAX as u64).ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number")))? as u32;
+                        let layer = number(v).filter(|&l| l < MAX_LAYERS as u64).ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number below {MAX_LAYERS}")))? as u32;
                         let field = |k: &str| fields.get(k).map(|v| number(v).filter(|&x| x > 0).ok_or_else(|| bad(n, format!("{k} '{v}' of layer {layer} is not a positive number"))));
                         let bytes = field("bytes").ok_or_else(|| bad(n, format!("layer {layer} has no bytes=")))??;
-                        let experts = field("experts").transpose()?.map(|e| u32::try_from(e).map_err(|_| bad(n, format!("layer {layer}: {e} experts is too many")))).transpose()?;
+                        let experts = field("experts").transpose()?.map(|e| if e <= MAX_EXPERTS as u64 { Ok(e as u32) } else { Err(bad(n, format!("layer {layer}: {e} experts is more than {MAX_EXPERTS}"))) }).transpose()?;
                         let slot = field("slot").transpose()?;
                         if bytes > 1 << 40 || slot.is_some_and(|s| s < bytes || s > 1 << 40) {
                             return Err(bad(n, format!("layer {layer}: bytes {bytes} / slot {slot:?} are out of range")));
@@ -156,7 +162,7 @@ impl Trace {
                 _ => return Err(bad(n, format!("phase '{phase}' is not p or d"))),
             };
             let layer = number(layer).and_then(|l| u32::try_from(l).ok()).filter(|l| given.contains_key(l)).ok_or_else(|| bad(n, format!("layer '{layer}' has no '# layer=' line")))?;
-            let expert = number(expert).and_then(|e| u32::try_from(e).ok()).ok_or_else(|| bad(n, format!("expert '{expert}' is not an expert number")))?;
+            let expert = number(expert).filter(|&e| e < MAX_EXPERTS as u64).ok_or_else(|| bad(n, format!("expert '{expert}' is not an expert number below {MAX_EXPERTS}")))? as u32;
             if let Some(limit) = given[&layer].1 {
                 if expert >= limit {
                     return Err(bad(n, format!("expert {expert} of layer {layer} is out of range ({limit} experts)")));
@@ -357,6 +363,8 @@ mod tests {
             ("# layer=0\nstep,phase,layer,expert,weight\n", "t.csv:1: layer 0 has no bytes="),
             ("# layer=0 bytes=-5\n", "bytes '-5' of layer 0"),
             ("# layer=0 bytes=1\n# layer=0 bytes=2\n", ":2: layer 0 is listed twice"),
+            ("# layer=99999 bytes=1\n", ":1: layer '99999' is not a layer number below 4096"),
+            ("# layer=1 bytes=1 experts=100000\n", ":1: layer 1: 100000 experts is more than 65536"),
             ("# layer=0 bytes=1\nstep,layer\n", ":2: expected the header"),
             (head, ":2: the trace has no rows"),
             (&format!("{head}0,d,0,1\n"), ":3: expected 5 fields"),

@@ -1,12 +1,13 @@
 //! sdq's own options as a tool's command line and environment carry them:
-//! `--ram-budget`, `--sdq-reserve`, `--sdq-stats`, `SDQ_FAULT_READ`, sizes,
+//! `--ram-budget`, `--sdq-reserve`, `--sdq-stats`, `--sdq-policy`,
+//! `--sdq-trace`, `SDQ_FAULT_READ`, sizes,
 //! and the server settings the growth plan reads. Input is NUL-separated
 //! strings; the first half are arguments, the second environment values.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
 
-const ENV: &[&str] = &["SDQ_RAM_BUDGET", "SDQ_RESERVE_MB", "SDQ_STATS_FILE", "SDQ_FAULT_READ", "SDQ_READERS", "SDQ_PREFETCH", "SDQ_DIRECT_IO", "SDQ_POPULATE", "LLAMA_ARG_CACHE_RAM", "LLAMA_ARG_N_PARALLEL"];
+const ENV: &[&str] = &["SDQ_RAM_BUDGET", "SDQ_RESERVE_MB", "SDQ_STATS_FILE", "SDQ_FAULT_READ", "SDQ_READERS", "SDQ_PREFETCH", "SDQ_DIRECT_IO", "SDQ_POPULATE", "SDQ_PRELOAD", "SDQ_POLICY", "SDQ_TRACE_FILE", "LLAMA_ARG_CACHE_RAM", "LLAMA_ARG_N_PARALLEL"];
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);
