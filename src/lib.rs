@@ -18,6 +18,7 @@ pub mod genmodel;
 pub mod ggml;
 pub mod gguf;
 pub mod growth;
+pub mod hotset;
 pub mod hooks;
 pub mod inspect;
 pub mod limit;

@@ -1,7 +1,8 @@
 //! sdq's options on every tool: `--ram-budget SIZE` (or `--ram-budget-mb N`),
 //! `--sdq-reserve SIZE`, `--sdq-stats FILE`, `--sdq-policy NAME`,
-//! `--sdq-trace FILE`, and their environment variables `SDQ_RAM_BUDGET`,
-//! `SDQ_RESERVE_MB`, `SDQ_STATS_FILE`, `SDQ_POLICY`, `SDQ_TRACE_FILE`. They
+//! `--sdq-trace FILE`, `--sdq-hotset FILE`, and their environment variables
+//! `SDQ_RAM_BUDGET`, `SDQ_RESERVE_MB`, `SDQ_STATS_FILE`, `SDQ_POLICY`,
+//! `SDQ_TRACE_FILE`, `SDQ_HOTSET_FILE`. They
 //! are taken out of argv before upstream's parser sees it; flags win over
 //! the environment.
 
@@ -33,6 +34,8 @@ pub struct Options {
     pub policy: Option<crate::pager::policy::PolicyKind>,
     /// Where to record the routing (`--sdq-trace`, `SDQ_TRACE_FILE`).
     pub trace_file: Option<PathBuf>,
+    /// The hot set to start from and save at exit (`--sdq-hotset`, `SDQ_HOTSET_FILE`).
+    pub hotset_file: Option<PathBuf>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -52,6 +55,9 @@ pub const HELP: &str = "\
                          or lru (env: SDQ_POLICY)
 --sdq-trace FILE         record the routing as CSV, one row per selected expert, for
                          `sdq replay` (env: SDQ_TRACE_FILE)
+--sdq-hotset FILE        warm start: read the experts FILE lists (and the policy's counts)
+                         before the first token, and save the arena's to it at exit
+                         (env: SDQ_HOTSET_FILE; a missing FILE is a cold start)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
@@ -131,6 +137,9 @@ impl Options {
         if let Some(v) = env("SDQ_TRACE_FILE").filter(|v| !v.is_empty()) {
             o.trace_file = Some(PathBuf::from(v));
         }
+        if let Some(v) = env("SDQ_HOTSET_FILE").filter(|v| !v.is_empty()) {
+            o.hotset_file = Some(PathBuf::from(v));
+        }
         if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
             o.faults = crate::pager::io::FaultPlan::parse(&v).map_err(|e| Error::invalid(format!("SDQ_FAULT_READ: {e}")))?;
         }
@@ -149,7 +158,7 @@ impl Options {
                 Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
                 _ => (s.to_string(), None),
             };
-            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats" | "--sdq-policy" | "--sdq-trace") {
+            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats" | "--sdq-policy" | "--sdq-trace" | "--sdq-hotset") {
                 kept.push(arg);
                 continue;
             }
@@ -166,6 +175,7 @@ impl Options {
                 "--sdq-reserve" => o.reserve = Some(size_of(&flag, &value)?),
                 "--sdq-policy" => o.policy = Some(policy_of(&flag, &value)?),
                 "--sdq-trace" => o.trace_file = Some(PathBuf::from(value)),
+                "--sdq-hotset" => o.hotset_file = Some(PathBuf::from(value)),
                 _ => o.stats_file = Some(PathBuf::from(value)),
             }
         }
@@ -191,6 +201,9 @@ impl Options {
         }
         if let Some(f) = &self.trace_file {
             env.push(("SDQ_TRACE_FILE", f.to_string_lossy().into_owned()));
+        }
+        if let Some(f) = &self.hotset_file {
+            env.push(("SDQ_HOTSET_FILE", f.to_string_lossy().into_owned()));
         }
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
@@ -257,7 +270,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -10,6 +10,7 @@ use crate::options::Options;
 use crate::pager::io::ExpertReader;
 use crate::pager::layout::{Layout, Part, PagedTensor};
 use crate::pager::Pager;
+use crate::hotset::{HotExpert, HotSet};
 use crate::trace::{Phase, Recorder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -66,6 +67,10 @@ pub struct Runtime {
     finished: AtomicBool,
     /// The routing being recorded (`--sdq-trace`).
     trace: Option<Mutex<Recorder>>,
+    /// The hot set read at start (`--sdq-hotset`; None for a first run).
+    hotset: Option<HotSet>,
+    /// Experts the hot set had read at start.
+    warmed: AtomicU64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -76,6 +81,11 @@ static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 pub fn install(options: Options) -> Result<&'static Runtime, Error> {
     let budget = options.budget.expect("install() needs a budget");
     let trace = options.trace_file.as_deref().map(Recorder::create).transpose()?.map(Mutex::new);
+    // A malformed hot set stops the run before the model loads, and is left as it is.
+    let hotset = match &options.hotset_file {
+        Some(p) => HotSet::open(p)?,
+        None => None,
+    };
     let rt = RUNTIME.get_or_init(|| Runtime {
         options,
         budget,
@@ -88,6 +98,8 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
         trace,
+        hotset,
+        warmed: AtomicU64::new(0),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -240,6 +252,14 @@ impl Runtime {
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
         let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default())?;
+        if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
+            hot.check_model(path, &geometry(pager.layout()))?;
+            let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
+            let held: Vec<_> = hot.experts.iter().filter(|e| e.held).map(|e| e.key).collect();
+            let n = pager.warm(&counts, &held);
+            self.warmed.store(n as u64, Ordering::Relaxed);
+            log::info!("warm start from {}: reading {n} of its {} experts", path.display(), held.len());
+        }
         if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
             let n = pager.preload();
             log::info!("the arena holds every routed expert: reading all {n} in the background");
@@ -269,6 +289,23 @@ impl Runtime {
         }
     }
 
+    /// Saves the hot set (if asked for): the arena's experts and the
+    /// policy's counts. A failure is a warning: the run's output matters more.
+    fn save_hotset(&self) {
+        let (Some(path), Some((pager, _))) = (&self.options.hotset_file, self.pager.get()) else { return };
+        let (counts, held) = pager.hot_set();
+        let mut experts: std::collections::BTreeMap<crate::pager::ExpertKey, HotExpert> =
+            counts.into_iter().map(|(key, count)| (key, HotExpert { key, count, held: false })).collect();
+        for key in held {
+            experts.entry(key).or_insert(HotExpert { key, count: 0.0, held: true }).held = true;
+        }
+        let set = HotSet { layers: geometry(pager.layout()), experts: experts.into_values().collect() };
+        match set.save(path) {
+            Ok(()) => log::info!("hot set of {} experts saved to {}", set.experts.iter().filter(|e| e.held).count(), path.display()),
+            Err(e) => eprintln!("sdq: warning: {e}"),
+        }
+    }
+
     /// Counts the tokens of one batch (called once per batch).
     pub fn count_tokens(&self, n: u64) {
         let counter = if n > 1 { &self.tokens_prompt } else { &self.tokens_generated };
@@ -294,6 +331,7 @@ impl Runtime {
                 eprintln!("sdq: error: {e}");
             }
         }
+        self.save_hotset();
         self.write_stats(true);
         if summary {
             eprintln!("{}", self.summary_line());
@@ -429,6 +467,8 @@ impl Runtime {
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
+            // Of those, read from the hot set (--sdq-hotset) at start.
+            o.insert("warm_start_experts".into(), json!(self.warmed.load(Ordering::Relaxed)));
             o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
             o.insert("bytes_read".into(), json!(c.bytes_read));
             // With direct I/O, reads are 4 KiB-aligned supersets of the expert's range.
@@ -449,4 +489,9 @@ impl Runtime {
         }
         v
     }
+}
+
+/// A layout's geometry as hot sets record it: layer → (bytes per expert, experts).
+fn geometry(layout: &Layout) -> BTreeMap<u32, (u64, u32)> {
+    layout.layers.values().map(|l| (l.layer, (l.expert_bytes as u64, l.n_expert))).collect()
 }

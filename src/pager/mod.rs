@@ -425,6 +425,60 @@ impl Pager {
         queued
     }
 
+    /// Starts warm from a hot set: the policy learns `counts`, and the
+    /// experts of `held` (a previous run's arena) are read into free slots,
+    /// the most used first where they do not all fit, in file-offset order
+    /// and at low priority, as `preload` reads: behind every demand read,
+    /// and a batch that needs one still queued moves it to the front.
+    /// Returns the number of experts queued.
+    pub fn warm(&self, counts: &[(ExpertKey, f64)], held: &[ExpertKey]) -> usize {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        st.res.learn(counts);
+        let count: HashMap<ExpertKey, f64> = counts.iter().copied().collect();
+        let mut wanted: Vec<ExpertKey> = held.iter().copied().filter(|k| sh.layout.layers.get(&k.0).is_some_and(|l| k.1 < l.n_expert)).collect();
+        wanted.sort_by(|a, b| count.get(b).unwrap_or(&0.0).total_cmp(count.get(a).unwrap_or(&0.0)).then(a.cmp(b)));
+        let mut free: Vec<Vec<SlotId>> = sh
+            .arena
+            .classes()
+            .iter()
+            .map(|c| c.slots().rev().filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
+            .collect();
+        let mut chosen: Vec<(ExpertKey, SlotId)> = Vec::new();
+        for key in wanted {
+            if st.res.slot_of(key).is_some() {
+                continue;
+            }
+            if let Some(slot) = free[sh.layout.layers[&key.0].class].pop() {
+                chosen.push((key, slot));
+            }
+        }
+        // In file order (by each expert's first part), which the disk reads best.
+        chosen.sort_by_cached_key(|&(key, _)| {
+            let first = &sh.layout.layers[&key.0].parts[0];
+            (first.path.clone(), first.file_offset(key.1))
+        });
+        let mut jobs = Vec::new();
+        for &(key, slot) in &chosen {
+            let ll = &sh.layout.layers[&key.0];
+            let evicted = st.res.fill(slot, key);
+            jobs.extend(sh.start_load(&mut st, slot, ll, key.1, evicted, false));
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&key.0).expect("layer counted").preloaded += 1;
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+        chosen.len()
+    }
+
+    /// What a warm start needs at exit: the policy's counts, and the
+    /// experts fully read into the arena.
+    pub fn hot_set(&self) -> (Vec<(ExpertKey, f64)>, Vec<ExpertKey>) {
+        let st = self.shared.lock();
+        let held = st.res.held().filter(|&(s, _)| st.slots[s].ready).map(|(_, k)| k).collect();
+        (st.res.counts(), held)
+    }
+
     /// The first of `candidates` (index, expert) whose expert of `layer` is
     /// in a slot and fully read.
     pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {

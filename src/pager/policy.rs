@@ -25,6 +25,13 @@ pub trait Policy: Send {
     fn forget(&mut self, slot: SlotId);
     /// The slot in `slots` to evict among those for which `evictable` holds.
     fn victim(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId>;
+    /// What the policy has learned, for a hot set: each expert's use count
+    /// now (held or not). Empty for a policy that keeps none.
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        Vec::new()
+    }
+    /// Starts from the counts a previous run saved.
+    fn learn(&mut self, _counts: &[(ExpertKey, f64)]) {}
 }
 
 /// The policies there are, by name.
@@ -210,6 +217,33 @@ impl Policy for Freq {
         self.slots[slot] = None;
     }
 
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        let mut out = Vec::new();
+        for (l, experts) in self.counts.iter().enumerate() {
+            for e in 0..experts.len() {
+                let key = (l as u32, e as u32);
+                let c = self.count(key);
+                if c > 0.0 {
+                    out.push((key, c));
+                }
+            }
+        }
+        out
+    }
+
+    fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        for &((l, e), c) in counts {
+            let (l, e) = (l as usize, e as usize);
+            if self.counts.len() <= l {
+                self.counts.resize(l + 1, Vec::new());
+            }
+            if self.counts[l].len() <= e {
+                self.counts[l].resize(e + 1, (0.0, 0));
+            }
+            self.counts[l][e] = (c, self.layer_batches.get(l).copied().unwrap_or(0));
+        }
+    }
+
     fn victim(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
         // Farthest expected use; the lowest slot id among equals.
@@ -272,6 +306,13 @@ mod tests {
         g.forget(1);
         assert_eq!(g.victim(0..2, &|_| true), Some(1));
         assert_eq!(g.victim(0..2, &|s| s == 0), Some(0));
+        // Counts carry over to a fresh policy (a warm start).
+        let mut h = Freq::new(2);
+        h.learn(&f.counts());
+        assert_eq!(h.counts(), f.counts());
+        h.filled(0, (0, 1));
+        h.filled(1, (0, 29));
+        assert_eq!(h.victim(0..2, &|_| true), Some(1), "the favourite's history came along");
     }
 
     #[test]

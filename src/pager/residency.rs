@@ -132,6 +132,16 @@ impl Residency {
         self.policy.forget(slot);
     }
 
+    /// The policy's use counts (see `Policy::counts`).
+    pub fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        self.policy.counts()
+    }
+
+    /// Starts the policy from saved counts.
+    pub fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        self.policy.learn(counts);
+    }
+
     /// Every (slot, expert) held.
     pub fn held(&self) -> impl Iterator<Item = (SlotId, ExpertKey)> + '_ {
         self.keys.iter().enumerate().filter_map(|(s, k)| k.map(|k| (s, k)))

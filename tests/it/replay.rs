@@ -1,6 +1,7 @@
 //! Routing traces and `sdq replay`: a live run's trace, replayed at the live
 //! run's arena size, gives the live run's counts; no policy beats the
-//! offline optimum; the default policy beats LRU where LRU fails.
+//! offline optimum; the default policy beats LRU where LRU fails. And hot
+//! sets: saved at exit, read back before the first token.
 
 use crate::util::*;
 use serde_json::Value;
@@ -107,6 +108,8 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--sdq-trace", "/tmp/x.csv"]), 60);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("--sdq-trace needs --ram-budget"), "{}", stderr(&o));
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--sdq-hotset", "/tmp/h.txt"]), 60);
+    assert!(o.status.code() == Some(1) && stderr(&o).contains("--sdq-hotset needs --ram-budget"), "{}", stderr(&o));
     // An unwritable trace fails before the model loads, naming the file.
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-trace", "/nonexistent/t.csv"]), 60);
     assert_eq!(o.status.code(), Some(1));
@@ -127,4 +130,56 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     let o = run(Command::new(bin("sdq")).arg("replay").arg(&bad).args(["--ram-budget", "4K"]), 60);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("cannot hold one layer's top-2 experts"), "{}", stderr(&o));
+}
+
+#[test]
+fn a_hot_set_is_saved_at_exit_and_read_back_before_the_first_token() {
+    let dir = scratch();
+    let hot = dir.join("hot.txt");
+    let _ = std::fs::remove_file(&hot);
+    // A budget with room for a few token cycles, so the arena keeps more than one token's experts.
+    let probe = live("hot-probe", "2G", 2, "freq", &[]);
+    let budget = (u(&probe.stats, "rss_anon_after_load_bytes") + 16 * MIB + 24 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
+    let eval = |tag: &str, hotset: bool| {
+        let stats = dir.join(format!("hot-{tag}.json"));
+        let mut cmd = Command::new(bin("sdq"));
+        cmd.args(["eval", "-m", wide().to_str().unwrap(), "-p", PROMPT, "-n", "24", "--ram-budget", &budget, "--sdq-reserve", "16M"]);
+        cmd.args(["--sdq-stats", stats.to_str().unwrap()]);
+        if hotset {
+            cmd.args(["--sdq-hotset", hot.to_str().unwrap()]);
+        }
+        let o = run(&mut cmd, 300);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        (serde_json::from_str::<Value>(&stdout(&o)).unwrap()["tokens"].clone(), s)
+    };
+    let (cold_tokens, _) = eval("none", false);
+    // First run: no file yet, a cold start; the arena's experts are saved at exit.
+    let (tokens, first) = eval("first", true);
+    assert_eq!(tokens, cold_tokens);
+    assert_eq!(u(&first, "warm_start_experts"), 0);
+    let text = std::fs::read_to_string(&hot).unwrap();
+    let held: Vec<&str> = text.lines().filter(|l| l.ends_with(",1")).collect();
+    assert!(text.starts_with("# sdq hot set\n# layer=0 bytes=") && held.len() > 8, "{text}");
+    // Second run: those experts are read before the first token, the same
+    // text comes out, and the prompt finds them.
+    let (tokens, second) = eval("second", true);
+    assert_eq!(tokens, cold_tokens, "a warm start changes no token");
+    assert_eq!(u(&second, "warm_start_experts") as usize, held.len(), "{second}");
+    assert!(u(&second, "misses") < u(&first, "misses"), "warm {second} vs cold {first}");
+    let read: u64 = second["layers"].as_array().unwrap().iter().map(|l| (u(l, "misses") + u(l, "rereads") + u(l, "prefetched") + u(l, "preloaded")) * u(l, "expert_bytes")).sum();
+    assert_eq!(u(&second, "bytes_read"), read, "warm-start reads are counted as preloads: {second}");
+    // A malformed hot set stops the run before the model loads, naming the
+    // file and line, and is left as it was.
+    let bad = "# sdq hot set\n# layer=0 bytes=127488 experts=256\nlayer,expert,count,held\n0,300,1,1\n";
+    std::fs::write(&hot, bad).unwrap();
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-hotset", hot.to_str().unwrap()]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains(&format!("{}:4: expert '300' of layer 0 is not below its 256 experts", hot.display())), "{}", stderr(&o));
+    assert_eq!(std::fs::read_to_string(&hot).unwrap(), bad);
+    // A hot set of another model is refused, naming what differs.
+    std::fs::write(&hot, text.replacen("bytes=127488", "bytes=127489", 1)).unwrap();
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-hotset", hot.to_str().unwrap()]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("was saved for another model: layer 0 has 256 experts of 127489 bytes there and 256 of 127488 bytes in this model"), "{}", stderr(&o));
 }
