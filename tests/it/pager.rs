@@ -54,9 +54,6 @@ fn long_prompt() -> PathBuf {
     p
 }
 
-/// 256 experts top-8 on tiny's dimensions: 308 MB, experts 80 % of it.
-
-
 /// Budget for an arena of `arena` bytes, after a probe run told us what the
 /// process holds after load with this configuration.
 fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
