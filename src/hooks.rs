@@ -119,13 +119,15 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     ops.entry(name.to_string()).or_insert_with(|| {
         let kernels = DotKernels::for_type(ty).unwrap_or_else(|| fatal(&format!("{name}: no CPU dot product for {}", ty.name())));
-        let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
+        let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         Box::leak(Box::new(PagedMatmul {
             name: name.to_string(),
             layer,
             part,
             kernels,
             counts_tokens: part == Part::Down && layer == first_layer,
+            starts_step: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
+            ends_step: part == Part::Down && layer == last_layer,
         }))
     })
 }
@@ -135,10 +137,10 @@ fn paged_experts(name: &str, layer: u32, kernels: [DotKernels; 3]) -> &'static P
     static OPS: OnceLock<Mutex<HashMap<u32, &'static PagedExperts>>> = OnceLock::new();
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     ops.entry(layer).or_insert_with(|| {
-        let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
+        let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         let [gate, up, down] = kernels;
         log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op");
-        Box::leak(Box::new(PagedExperts { name: name.to_string(), layer, gate, up, down, counts_tokens: layer == first_layer }))
+        Box::leak(Box::new(PagedExperts { name: name.to_string(), layer, gate, up, down, counts_tokens: layer == first_layer, ends_step: layer == last_layer }))
     })
 }
 

@@ -48,6 +48,10 @@ pub struct PagedMatmul {
     pub kernels: DotKernels,
     /// True for the first paged layer's down projection: it counts tokens.
     pub counts_tokens: bool,
+    /// True for the first paged layer's first matmul (gate or gate_up), and
+    /// for the last paged layer's down: a step's paged work starts and ends.
+    pub starts_step: bool,
+    pub ends_step: bool,
 }
 
 /// What one layer's fused expert op (gate, up, SwiGLU and down per expert)
@@ -60,8 +64,11 @@ pub struct PagedExperts {
     pub gate: DotKernels,
     pub up: DotKernels,
     pub down: DotKernels,
-    /// True for the first paged layer: it counts tokens.
+    /// True for the first paged layer: it counts tokens, and a step's paged
+    /// work starts.
     pub counts_tokens: bool,
+    /// True for the last paged layer: a step's paged work ends.
+    pub ends_step: bool,
 }
 
 /// The prediction of a later layer's experts, computed just before the
@@ -441,6 +448,9 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     if op.counts_tokens && ith == 0 {
         rt.count_tokens(ids.ne[1] as u64);
     }
+    if op.starts_step && ith == 0 {
+        pager.step_started();
+    }
     let key = dst as *const sys::ggml_tensor as usize;
     // ggml runs a layer's gate (or fused gate_up) matmul first: it is
     // SwiGLU's first source, and it starts the batch's reads.
@@ -461,6 +471,9 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
             drop(expert); // release the slot as soon as this expert is done
         }
     });
+    if op.ends_step && ith == 0 {
+        pager.step_ended();
+    }
 }
 
 /// The fused op: dst[:, k, t] = down_e · swiglu(gate_e · b_t, up_e · b_t)
@@ -489,6 +502,7 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     let pager = rt.pager(ids.ne[0] as usize);
     if op.counts_tokens && ith == 0 {
         rt.count_tokens(ids.ne[1] as u64);
+        pager.step_started();
     }
     let key = dst as *const sys::ggml_tensor as usize;
     // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
@@ -543,6 +557,9 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
             }
         }
     });
+    if op.ends_step && ith == 0 {
+        pager.step_ended();
+    }
 }
 
 /// This thread's view of call `key`, which the first thread to arrive

@@ -56,8 +56,8 @@ pub const HELP: &str = "\
 --sdq-trace FILE         record the routing as CSV, one row per selected expert, for
                          `sdq replay` (env: SDQ_TRACE_FILE)
 --sdq-hotset FILE        warm start: read the experts FILE lists (and the policy's counts)
-                         before the first token, and save the arena's to it at exit
-                         (env: SDQ_HOTSET_FILE; a missing FILE is a cold start)
+                         back while no step is computed, and save the arena's to it at
+                         exit (env: SDQ_HOTSET_FILE; a missing FILE is a cold start)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)

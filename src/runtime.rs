@@ -69,8 +69,8 @@ pub struct Runtime {
     trace: Option<Mutex<Recorder>>,
     /// The hot set read at start (`--sdq-hotset`; None for a first run).
     hotset: Option<HotSet>,
-    /// Experts the hot set had read at start.
-    warmed: AtomicU64,
+    /// Experts the hot set listed for reading at start.
+    warm_listed: AtomicU64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -99,7 +99,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         finished: AtomicBool::new(false),
         trace,
         hotset,
-        warmed: AtomicU64::new(0),
+        warm_listed: AtomicU64::new(0),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -202,7 +202,14 @@ impl Runtime {
     /// The lowest layer with paged experts (the registry is complete once
     /// graphs are being built).
     pub fn first_paged_layer(&self) -> u32 {
-        self.lock_registry().tensors.values().map(|t| t.layer).min().unwrap_or(0)
+        self.paged_layers().0
+    }
+
+    /// The lowest and the highest layer with paged experts.
+    pub fn paged_layers(&self) -> (u32, u32) {
+        let r = self.lock_registry();
+        let layers = || r.tensors.values().map(|t| t.layer);
+        (layers().min().unwrap_or(0), layers().max().unwrap_or(0))
     }
 
     /// The pager, created on first use from what the loader reported.
@@ -257,8 +264,8 @@ impl Runtime {
             let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
             let held: Vec<_> = hot.experts.iter().filter(|e| e.held).map(|e| e.key).collect();
             let n = pager.warm(&counts, &held);
-            self.warmed.store(n as u64, Ordering::Relaxed);
-            log::info!("warm start from {}: reading {n} of its {} experts", path.display(), held.len());
+            self.warm_listed.store(n as u64, Ordering::Relaxed);
+            log::info!("warm start from {}: {n} of its {} experts to read between steps", path.display(), held.len());
         }
         if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
             let n = pager.preload();
@@ -467,8 +474,11 @@ impl Runtime {
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
-            // Of those, read from the hot set (--sdq-hotset) at start.
-            o.insert("warm_start_experts".into(), json!(self.warmed.load(Ordering::Relaxed)));
+            // The hot set's (--sdq-hotset) experts listed at start, those read
+            // (also preloaded; one already held is not), and those left.
+            o.insert("warm_start_listed".into(), json!(self.warm_listed.load(Ordering::Relaxed)));
+            o.insert("warm_start_experts".into(), json!(c.warm_read));
+            o.insert("warm_start_pending".into(), json!(c.warm_pending));
             o.insert("hit_rate".into(), json!(hits as f64 / (hits + misses).max(1) as f64));
             o.insert("bytes_read".into(), json!(c.bytes_read));
             // With direct I/O, reads are 4 KiB-aligned supersets of the expert's range.

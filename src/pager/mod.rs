@@ -95,6 +95,8 @@ struct State {
     next_batch: u64,
     /// Completed batches: count, bytes, and wall time from submission to the last byte.
     batch_totals: (u64, u64, u64),
+    /// Experts a warm start has read (or is reading).
+    warm_read: u64,
 }
 
 /// Figures the pager has gathered so far.
@@ -110,6 +112,10 @@ pub struct PagerCounts {
     pub miss_batches: u64,
     pub miss_batch_bytes: u64,
     pub miss_batch_seconds: f64,
+    /// Experts a warm start has read (also counted as preloaded), and those
+    /// it has yet to consider (an expert already held is not read again).
+    pub warm_read: u64,
+    pub warm_pending: u64,
 }
 
 /// When the arena's memory is faulted in (`SDQ_POPULATE`). A fresh slot's
@@ -170,11 +176,25 @@ enum Lane {
     Spare,
 }
 
-/// Read jobs: demand reads (a batch waits for them) first, then prefetches.
+/// Readers that may read a warm start's experts at once.
+const WARM_READERS: usize = 2;
+
+/// Read jobs: demand reads (a batch waits for them) first, then prefetches,
+/// then a warm start's experts.
 #[derive(Default)]
 struct Queue {
     demand: VecDeque<Job>,
     spare: VecDeque<Job>,
+    /// A warm start's experts not read yet, in file order: read only
+    /// between steps (`Pager::step_started`, `step_ended`) when no other
+    /// read waits, by at most `WARM_READERS` readers, each into a free slot
+    /// taken when its read starts, so that a warm start takes neither the
+    /// disk, the cores nor a slot from a batch.
+    warm: VecDeque<ExpertKey>,
+    /// Warm-start experts being read.
+    warm_reading: usize,
+    /// A step's paged layers are being computed.
+    in_step: bool,
     closed: bool,
 }
 
@@ -248,6 +268,7 @@ impl Pager {
             batches: HashMap::new(),
             next_batch: 0,
             batch_totals: (0, 0, 0),
+            warm_read: 0,
         };
         let shared = Arc::new(Shared {
             layout,
@@ -426,49 +447,61 @@ impl Pager {
     }
 
     /// Starts warm from a hot set: the policy learns `counts`, and the
-    /// experts of `held` (a previous run's arena) are read into free slots,
-    /// the most used first where they do not all fit, in file-offset order
-    /// and at low priority, as `preload` reads: behind every demand read,
-    /// and a batch that needs one still queued moves it to the front.
-    /// Returns the number of experts queued.
+    /// experts of `held` (a previous run's arena) are listed for reading,
+    /// the most used first where the arena's free slots cannot take them
+    /// all, then in file-offset order. They are read between steps only,
+    /// at the lowest priority (see `Queue::warm`). Returns how many are listed.
     pub fn warm(&self, counts: &[(ExpertKey, f64)], held: &[ExpertKey]) -> usize {
         let sh = &*self.shared;
-        let mut st = sh.lock();
-        st.res.learn(counts);
+        let st = {
+            let mut st = sh.lock();
+            st.res.learn(counts);
+            st
+        };
         let count: HashMap<ExpertKey, f64> = counts.iter().copied().collect();
         let mut wanted: Vec<ExpertKey> = held.iter().copied().filter(|k| sh.layout.layers.get(&k.0).is_some_and(|l| k.1 < l.n_expert)).collect();
         wanted.sort_by(|a, b| count.get(b).unwrap_or(&0.0).total_cmp(count.get(a).unwrap_or(&0.0)).then(a.cmp(b)));
-        let mut free: Vec<Vec<SlotId>> = sh
-            .arena
-            .classes()
-            .iter()
-            .map(|c| c.slots().rev().filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
-            .collect();
-        let mut chosen: Vec<(ExpertKey, SlotId)> = Vec::new();
-        for key in wanted {
-            if st.res.slot_of(key).is_some() {
-                continue;
-            }
-            if let Some(slot) = free[sh.layout.layers[&key.0].class].pop() {
-                chosen.push((key, slot));
-            }
-        }
+        let mut room: Vec<usize> = sh.arena.classes().iter().map(|c| c.slots().filter(|&s| st.res.key(s).is_none()).count()).collect();
+        wanted.retain(|&k| {
+            let class = sh.layout.layers[&k.0].class;
+            let fits = st.res.slot_of(k).is_none() && room[class] > 0;
+            room[class] -= usize::from(fits);
+            fits
+        });
+        drop(st);
         // In file order (by each expert's first part), which the disk reads best.
-        chosen.sort_by_cached_key(|&(key, _)| {
+        wanted.sort_by_cached_key(|&key| {
             let first = &sh.layout.layers[&key.0].parts[0];
             (first.path.clone(), first.file_offset(key.1))
         });
-        let mut jobs = Vec::new();
-        for &(key, slot) in &chosen {
-            let ll = &sh.layout.layers[&key.0];
-            let evicted = st.res.fill(slot, key);
-            jobs.extend(sh.start_load(&mut st, slot, ll, key.1, evicted, false));
-            st.slots[slot].prefetched = true;
-            st.counts.get_mut(&key.0).expect("layer counted").preloaded += 1;
+        let n = wanted.len();
+        let mut q = sh.queue.lock().unwrap_or_else(|p| p.into_inner());
+        q.warm.extend(wanted);
+        drop(q);
+        for _ in 0..WARM_READERS {
+            sh.queued.notify_one();
         }
-        drop(st);
-        sh.submit(jobs, Lane::Spare);
-        chosen.len()
+        n
+    }
+
+    /// A step's paged layers start being computed: a warm start's reads wait.
+    pub fn step_started(&self) {
+        log::trace!("step started");
+        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).in_step = true;
+    }
+
+    /// A step's paged layers are computed: a warm start's reads may go on.
+    pub fn step_ended(&self) {
+        log::trace!("step ended");
+        let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+        q.in_step = false;
+        let waiting = !q.warm.is_empty();
+        drop(q);
+        if waiting {
+            for _ in 0..WARM_READERS {
+                self.shared.queued.notify_one();
+            }
+        }
     }
 
     /// What a warm start needs at exit: the policy's counts, and the
@@ -558,6 +591,11 @@ impl Pager {
             miss_batches: st.batch_totals.0,
             miss_batch_bytes: st.batch_totals.1,
             miss_batch_seconds: st.batch_totals.2 as f64 / 1e9,
+            warm_read: st.warm_read,
+            warm_pending: {
+                let q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+                (q.warm.len() + q.warm_reading) as u64
+            },
         }
     }
 }
@@ -678,6 +716,29 @@ impl Shared {
         }
     }
 
+    /// Reads warm-start expert `key` into a free slot of its class, on this
+    /// reader thread; nothing if it is held already or no slot is free.
+    fn warm_one(&self, key: ExpertKey) {
+        let ll = &self.layout.layers[&key.0];
+        let jobs = {
+            let mut st = self.lock();
+            if st.res.slot_of(key).is_some() {
+                return;
+            }
+            let Some(slot) = self.arena.classes()[ll.class].slots().find(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0) else { return };
+            let evicted = st.res.fill(slot, key);
+            let jobs = self.start_load(&mut st, slot, ll, key.1, evicted, false);
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&key.0).expect("layer counted").preloaded += 1;
+            st.warm_read += 1;
+            jobs
+        };
+        for job in jobs {
+            let result = self.read_part(&job);
+            self.finish_part(&job, result);
+        }
+    }
+
     /// A reader thread: takes jobs until the pager is dropped.
     fn read_jobs(&self) {
         loop {
@@ -685,19 +746,36 @@ impl Shared {
                 let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
                 loop {
                     if let Some(j) = q.demand.pop_front() {
-                        break j;
+                        break (Some(j), None);
                     }
                     if q.closed {
                         return;
                     }
                     if let Some(j) = q.spare.pop_front() {
-                        break j;
+                        break (Some(j), None);
+                    }
+                    if q.warm_reading < WARM_READERS && !q.in_step {
+                        if let Some(key) = q.warm.pop_front() {
+                            q.warm_reading += 1;
+                            break (None, Some(key));
+                        }
                     }
                     q = self.queued.wait(q).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let result = self.read_part(&job);
-            self.finish_part(&job, result);
+            match job {
+                (Some(job), _) => {
+                    let result = self.read_part(&job);
+                    self.finish_part(&job, result);
+                }
+                (None, Some(key)) => {
+                    self.warm_one(key);
+                    self.queue.lock().unwrap_or_else(|p| p.into_inner()).warm_reading -= 1;
+                    // A reader that found WARM_READERS busy may take the next.
+                    self.queued.notify_one();
+                }
+                (None, None) => unreachable!("a reader takes a job or a warm-start expert"),
+            }
         }
     }
 

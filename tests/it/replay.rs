@@ -1,7 +1,7 @@
 //! Routing traces and `sdq replay`: a live run's trace, replayed at the live
 //! run's arena size, gives the live run's counts; no policy beats the
 //! offline optimum; the default policy beats LRU where LRU fails. And hot
-//! sets: saved at exit, read back before the first token.
+//! sets: saved at exit, read back between steps.
 
 use crate::util::*;
 use serde_json::Value;
@@ -133,7 +133,7 @@ fn traces_and_replays_refuse_bad_input_clearly() {
 }
 
 #[test]
-fn a_hot_set_is_saved_at_exit_and_read_back_before_the_first_token() {
+fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
     let dir = scratch();
     let hot = dir.join("hot.txt");
     let _ = std::fs::remove_file(&hot);
@@ -157,18 +157,45 @@ fn a_hot_set_is_saved_at_exit_and_read_back_before_the_first_token() {
     // First run: no file yet, a cold start; the arena's experts are saved at exit.
     let (tokens, first) = eval("first", true);
     assert_eq!(tokens, cold_tokens);
-    assert_eq!(u(&first, "warm_start_experts"), 0);
+    assert_eq!(u(&first, "warm_start_listed"), 0);
     let text = std::fs::read_to_string(&hot).unwrap();
     let held: Vec<&str> = text.lines().filter(|l| l.ends_with(",1")).collect();
     assert!(text.starts_with("# sdq hot set\n# layer=0 bytes=") && held.len() > 8, "{text}");
-    // Second run: those experts are read before the first token, the same
-    // text comes out, and the prompt finds them.
-    let (tokens, second) = eval("second", true);
-    assert_eq!(tokens, cold_tokens, "a warm start changes no token");
-    assert_eq!(u(&second, "warm_start_experts") as usize, held.len(), "{second}");
-    assert!(u(&second, "misses") < u(&first, "misses"), "warm {second} vs cold {first}");
-    let read: u64 = second["layers"].as_array().unwrap().iter().map(|l| (u(l, "misses") + u(l, "rereads") + u(l, "prefetched") + u(l, "preloaded")) * u(l, "expert_bytes")).sum();
-    assert_eq!(u(&second, "bytes_read"), read, "warm-start reads are counted as preloads: {second}");
+    // A restarted server reads them while it waits for its first request:
+    // that request then reads fewer experts, and answers the same.
+    let server = |hotset: bool, tag: &str| {
+        let stats = dir.join(format!("hot-server-{tag}.json"));
+        let _ = std::fs::remove_file(&stats);
+        let mut args = vec!["-m", wide().to_str().unwrap(), "-t", "2", "-c", "512", "-np", "1", "--ram-budget", "2G", "--sdq-stats", stats.to_str().unwrap()];
+        if hotset {
+            args.extend(["--sdq-hotset", hot.to_str().unwrap()]);
+        }
+        // Without the preload an arena that holds every expert would start.
+        let (srv, port) = start_server_env(&args, &[("SDQ_PRELOAD", "0")]);
+        let read = |key: &str| std::fs::read_to_string(&stats).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).and_then(|v| v[key].as_u64());
+        if hotset {
+            let started = std::time::Instant::now();
+            while read("warm_start_pending") != Some(0) {
+                assert!(started.elapsed().as_secs() < 60, "the hot set was not read while the server waited: {:?}", std::fs::read_to_string(&stats));
+                std::thread::sleep(std::time::Duration::from_millis(200));
+            }
+            assert_eq!(read("warm_start_listed"), Some(held.len() as u64));
+            assert!(read("warm_start_experts").unwrap() > 0);
+        }
+        let before = read("misses").unwrap_or(0);
+        let body = format!(r#"{{"prompt": "{PROMPT}", "n_predict": 8, "temperature": 0, "cache_prompt": false}}"#);
+        let (status, reply) = http(port, "POST", "/completion", Some(&body)).unwrap();
+        assert_eq!(status, 200, "{reply}");
+        // The stats file is rewritten each second.
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let misses = read("misses").unwrap() - before;
+        drop(srv);
+        (serde_json::from_str::<Value>(&reply).unwrap()["content"].clone(), misses)
+    };
+    let (cold_text, cold_misses) = server(false, "cold");
+    let (warm_text, warm_misses) = server(true, "warm");
+    assert_eq!(warm_text, cold_text, "a warm start changes no token");
+    assert!(warm_misses < cold_misses, "the request missed {warm_misses} experts warm and {cold_misses} cold");
     // A malformed hot set stops the run before the model loads, naming the
     // file and line, and is left as it was.
     let bad = "# sdq hot set\n# layer=0 bytes=127488 experts=256\nlayer,expert,count,held\n0,300,1,1\n";
