@@ -250,7 +250,10 @@ extern "C" fn mul_mat_id(
 fn routing_record(layer: u32) -> &'static RoutingRecord {
     static OPS: OnceLock<Mutex<HashMap<u32, &'static RoutingRecord>>> = OnceLock::new();
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry(layer).or_insert_with(|| Box::leak(Box::new(RoutingRecord { layer })))
+    ops.entry(layer).or_insert_with(|| {
+        let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
+        Box::leak(Box::new(RoutingRecord { layer, starts_step: layer == first_layer }))
+    })
 }
 
 extern "C" fn moe_routing(

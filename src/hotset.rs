@@ -64,7 +64,7 @@ impl HotSet {
             let line = line.trim_end_matches('\r');
             if !header {
                 if let Some(comment) = line.strip_prefix('#') {
-                    let kv: BTreeMap<&str, &str> = comment.split_whitespace().filter_map(|w| w.split_once('=')).collect();
+                    let kv = crate::trace::key_values(comment);
                     if let Some(v) = kv.get("layer") {
                         let num = |k: &str, max: u64| -> Result<u64> {
                             let v = kv.get(k).ok_or_else(|| bad(n, format!("layer line without {k}=")))?;
@@ -130,12 +130,7 @@ impl HotSet {
 
     /// Writes the hot set to `path` whole (a temporary file, then a rename).
     pub fn save(&self, path: &Path) -> Result<()> {
-        let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-        std::fs::write(&tmp, self.to_text()).and_then(|()| std::fs::rename(&tmp, path)).map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            Error::io("cannot write hot set", path, e)
-        })
+        crate::runtime::write_whole(path, &self.to_text()).map_err(|e| Error::io("cannot write hot set", path, e))
     }
 
     /// Checks that this hot set was saved for a model of geometry `layers`

@@ -86,6 +86,8 @@ pub struct Predictor {
 #[derive(Debug)]
 pub struct RoutingRecord {
     pub layer: u32,
+    /// True for the first paged layer: its record starts a step.
+    pub starts_step: bool,
 }
 
 /// The op: dst (I32 [n_used, n_tokens], contiguous) = ids, and the
@@ -122,7 +124,7 @@ pub unsafe extern "C" fn record_routing(dst: *mut sys::ggml_tensor, ith: c_int, 
             }
         }
         let rt = runtime::get().unwrap_or_else(|| fatal("routing recorded without an sdq runtime"));
-        rt.record_routing(op.layer, n_tokens as usize, n_used as usize, rows);
+        rt.record_routing(op.layer, op.starts_step, n_tokens as usize, n_used as usize, rows);
     })
 }
 

@@ -183,6 +183,19 @@ impl Options {
         Ok(o)
     }
 
+    /// An error if a flag that concerns the paged experts was given without
+    /// a budget (without one, nothing is paged and the flag would do nothing).
+    pub fn check_needs_budget(&self) -> Result<()> {
+        for (flag, given) in [("--sdq-trace", self.trace_file.is_some()), ("--sdq-hotset", self.hotset_file.is_some())] {
+            if given && self.budget.is_none() {
+                return Err(Error::invalid(format!(
+                    "{flag} needs --ram-budget: it concerns the experts sdq pages (a budget above the model's size keeps them all in RAM)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// Environment that passes these options to child processes (llama-server's
     /// router re-executes itself without sdq's flags).
     pub fn to_env(&self) -> Vec<(&'static str, String)> {

@@ -280,10 +280,10 @@ impl Runtime {
     }
 
     /// Records one paged layer's routing of one batch to the trace:
-    /// `rows` are (expert, router weight) in token order, `top_k` per token.
-    pub fn record_routing(&self, layer: u32, n_tokens: usize, top_k: usize, rows: impl IntoIterator<Item = (u32, f32)>) {
+    /// `rows` are (expert, router weight) in token order, `top_k` per token;
+    /// `first` for the first paged layer, which starts a step.
+    pub fn record_routing(&self, layer: u32, first: bool, n_tokens: usize, top_k: usize, rows: impl IntoIterator<Item = (u32, f32)>) {
         let Some(trace) = &self.trace else { return };
-        let first = layer == self.first_paged_layer();
         // The comment lines need the layout, which the pager builds.
         let layout = self.pager(top_k).layout();
         let mut t = trace.lock().unwrap_or_else(|p| p.into_inner());
@@ -363,11 +363,7 @@ impl Runtime {
         let text = serde_json::to_string_pretty(&stats).expect("stats serialize") + "\n";
         let regular = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(true);
         let result = if regular {
-            let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-            let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
-            std::fs::write(&tmp, &text).and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
-                let _ = std::fs::remove_file(&tmp);
-            })
+            write_whole(path, &text)
         } else if last {
             std::fs::write(path, &text)
         } else {
@@ -499,6 +495,17 @@ impl Runtime {
         }
         v
     }
+}
+
+/// Replaces the file at `path` with `text` whole, through a temporary file
+/// beside it and a rename, so a reader never sees half of it (the stats
+/// file, hot sets).
+pub(crate) fn write_whole(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    let name = path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    let tmp = path.with_file_name(format!(".{name}.{}.tmp", std::process::id()));
+    std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, path)).inspect_err(|_| {
+        let _ = std::fs::remove_file(&tmp);
+    })
 }
 
 /// A layout's geometry as hot sets record it: layer → (bytes per expert, experts).

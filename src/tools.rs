@@ -130,11 +130,9 @@ pub fn run(entry: Entry) -> ! {
         // SAFETY: registering a plain extern "C" function with no state.
         unsafe { libc::atexit(print_sdq_help) };
     }
-    for (flag, given) in [("--sdq-trace", opts.trace_file.is_some()), ("--sdq-hotset", opts.hotset_file.is_some())] {
-        if given && opts.budget.is_none() {
-            eprintln!("{program}: error: {flag} needs --ram-budget: it concerns the experts sdq pages (a budget above the model's size keeps them all in RAM)");
-            std::process::exit(1);
-        }
+    if let Err(e) = opts.check_needs_budget() {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
     }
     if let Some(Err(e)) = opts.budget.map(crate::budget::check_against_ram) {
         eprintln!("{program}: error: {e}");

@@ -224,8 +224,9 @@ impl Trace {
     }
 }
 
-/// `key=value` pairs of a comment line (other words are ignored).
-fn key_values(comment: &str) -> BTreeMap<&str, &str> {
+/// `key=value` pairs of a comment line (other words are ignored); hot sets'
+/// comment lines are read the same way.
+pub(crate) fn key_values(comment: &str) -> BTreeMap<&str, &str> {
     comment.split_whitespace().filter_map(|w| w.split_once('=')).collect()
 }
 

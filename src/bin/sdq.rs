@@ -382,6 +382,7 @@ fn main() -> ExitCode {
             // inspect may plan for any budget; a run must be able to honour it
             match o.budget {
                 Some(b) if is_eval => sdq::budget::check_against_ram(b).map(|()| o),
+                None if is_eval => o.check_needs_budget().map(|()| o),
                 _ => Ok(o),
             }
         }) {

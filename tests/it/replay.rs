@@ -110,6 +110,8 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     assert!(stderr(&o).contains("--sdq-trace needs --ram-budget"), "{}", stderr(&o));
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--sdq-hotset", "/tmp/h.txt"]), 60);
     assert!(o.status.code() == Some(1) && stderr(&o).contains("--sdq-hotset needs --ram-budget"), "{}", stderr(&o));
+    let o = run(Command::new(bin("sdq")).args(["eval", "-m", tiny().to_str().unwrap(), "-n", "2", "--sdq-trace", "/tmp/x.csv"]), 60);
+    assert!(o.status.code() == Some(1) && stderr(&o).contains("--sdq-trace needs --ram-budget"), "{}", stderr(&o));
     // An unwritable trace fails before the model loads, naming the file.
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-trace", "/nonexistent/t.csv"]), 60);
     assert_eq!(o.status.code(), Some(1));
