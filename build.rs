@@ -36,7 +36,7 @@ fn main() {
     for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin"] {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }
-    for var in ["SDQ_GGML_NATIVE", "SDQ_CMAKE_JOBS", "SDQ_LLAMA_BUILD_DIR", "CFLAGS", "CXXFLAGS"] {
+    for var in ["SDQ_GGML_NATIVE", "SDQ_GGML_AMX", "SDQ_CMAKE_JOBS", "SDQ_LLAMA_BUILD_DIR", "CFLAGS", "CXXFLAGS"] {
         println!("cargo:rerun-if-env-changed={var}");
     }
 
@@ -185,6 +185,7 @@ fn sync_tree(from: &Path, to: &Path) {
 /// patched tree; returns the cmake build directory.
 fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path) -> PathBuf {
     let native = env::var("SDQ_GGML_NATIVE").map(|v| v != "0" && v != "OFF").unwrap_or(true);
+    let amx = env::var("SDQ_GGML_AMX").is_ok_and(|v| v == "1" || v == "ON");
     let mut cfg = cmake::Config::new(root.join("shim"));
     // No flags derived from the Cargo profile (debug info, opt-level): CMake's
     // Release flags plus CFLAGS/CXXFLAGS from the environment (the sanitizer
@@ -197,6 +198,7 @@ fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path) -> PathBuf {
         .define("BUILD_SHARED_LIBS", "OFF")
         .define("GGML_BACKEND_DL", "OFF")
         .define("GGML_NATIVE", if native { "ON" } else { "OFF" })
+        .define("SDQ_GGML_AMX", if amx { "ON" } else { "OFF" })
         .define("GGML_OPENMP", "OFF")
         .define("GGML_CPU", "ON")
         .define("LLAMA_BUILD_COMMON", "ON")

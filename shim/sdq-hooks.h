@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 6
+#define SDQ_HOOKS_VERSION 7
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -35,8 +35,10 @@ struct sdq_hooks {
      * one call per part). */
     void (*loader_file)(void * user_data, uint32_t idx, const char * path);
 
-    /* Loader: should this weight be placed in paged_buft? */
-    bool (*is_paged)(void * user_data, const struct ggml_tensor * meta);
+    /* Loader: should this weight be placed in paged_buft? `stock_buft` is
+     * the buffer type llama.cpp chose for it (flags, overrides and CPU
+     * features applied): its layout is the one sdq's kernels reproduce. */
+    bool (*is_paged)(void * user_data, const struct ggml_tensor * meta, ggml_backend_buffer_type_t stock_buft);
 
     /* Loader: weight `t` (in paged_buft) has its bytes in file `idx` at `offs`. */
     void (*paged_weight)(void * user_data, const struct ggml_tensor * t, uint32_t idx, uint64_t offs);
@@ -105,6 +107,40 @@ bool sdq_expert_tiled(const struct ggml_tensor * weight, const void * data,
 
 /* y = silu(gate) * up over n values: ggml-cpu's SwiGLU row kernel. */
 void sdq_swiglu(int n, float * y, const float * gate, const float * up);
+
+/* What a weight buffer type means for a paged weight's layout. */
+enum sdq_buft_kind {
+    SDQ_BUFT_CPU = 0,        /* ggml-cpu's plain buffer: the file's layout */
+    SDQ_BUFT_CPU_REPACK = 1, /* ggml-cpu's CPU_REPACK: interleaved, if it takes the weight */
+    SDQ_BUFT_OTHER = 2,      /* anything else (AMX, KleidiAI, another device) */
+};
+int sdq_buft_layout(ggml_backend_buffer_type_t buft);
+
+/* The layout ggml-cpu's CPU_REPACK buffer type gives an expert of `weight`
+ * (its type and [ne0, ne1]): a kernel id >= 0 for the functions below; -1
+ * if it leaves such a weight plain (type, CPU features or row count); -2 if
+ * it repacks it into a layout sdq cannot reproduce. */
+int sdq_repack_kernel(const struct ggml_tensor * weight);
+
+/* The kernel's name as ggml-cpu spells the layout ("q4_K_8x8_q8_K"). */
+const char * sdq_repack_kernel_name(int kernel);
+
+/* Converts one expert (ne1 rows of ne0 values of the kernel's type at
+ * `data`) in place into `kernel`'s layout, with ggml-cpu's own repack
+ * routine. False, with the bytes undefined, if the routine refuses them. */
+bool sdq_repack_expert(int kernel, int64_t ne0, int64_t ne1, void * data);
+
+/* Multiplies one repacked expert (ne1 rows of ne0 values) at `data` for `n_rows` routed
+ * rows, as stock's repacked mul_mat_id does with `nth` threads: the same
+ * GEMV calls over the same weight-row ranges, on the calling thread.
+ * Routed row i is (k, t) = (rows[2i], rows[2i+1]): activation row
+ * t*b_ne1 + k%b_ne1 of `activations` (rows of activation_row_bytes,
+ * converted to the weight's vec_dot type) into the floats at
+ * out + k*out_nb1 + t*out_nb2 (bytes). */
+void sdq_repack_mul(int kernel, int64_t ne0, int64_t ne1, const void * data,
+                    int64_t b_ne1, const void * activations, size_t activation_row_bytes,
+                    int64_t n_rows, const int32_t * rows,
+                    float * out, size_t out_nb1, size_t out_nb2, int nth);
 
 /* Drops [offset, offset+length) of file `fd` from the page cache (where the
  * platform allows). */

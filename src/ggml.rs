@@ -141,3 +141,119 @@ impl DotKernels {
         out
     }
 }
+
+/// How llama.cpp lays out a weight in memory, which decides the kernels that
+/// multiply it: the file's own layout, or one of ggml-cpu's repacked
+/// (interleaved) layouts, which stock's loader converts some expert types
+/// into (its CPU_REPACK buffer type) unless `--no-repack` is given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum WeightLayout {
+    Plain,
+    Repacked(Repacked),
+}
+
+/// One of ggml-cpu's repacked layouts, for experts of one shape: the
+/// conversion of an expert into it (ggml-cpu's own repack routine) and the
+/// GEMV that stock's repacked `mul_mat_id` multiplies it with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Repacked {
+    kernel: i32,
+    pub ty: GgmlType,
+    /// Values per row.
+    pub cols: i64,
+    /// Rows of one expert.
+    pub rows: i64,
+}
+
+impl WeightLayout {
+    /// The layout stock gives `weight` (a routed-expert tensor, [cols, rows,
+    /// experts]) in the buffer type `stock_buft` its loader chose for it,
+    /// and a notice where sdq cannot reproduce that layout and multiplies
+    /// the file's instead.
+    pub fn of(weight: &sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> (WeightLayout, Option<String>) {
+        // SAFETY: a pointer comparison with ggml-cpu's static buffer types.
+        let kind = unsafe { sys::sdq_buft_layout(stock_buft) };
+        if kind == sys::SDQ_BUFT_CPU as i32 {
+            return (WeightLayout::Plain, None);
+        }
+        if kind != sys::SDQ_BUFT_CPU_REPACK as i32 {
+            // SAFETY: buffer types name themselves with a static string.
+            let name = unsafe { CStr::from_ptr(sys::ggml_backend_buft_name(stock_buft)) }.to_string_lossy();
+            return (WeightLayout::Plain, Some(format!("stock would place the experts in buffer type {name}; sdq multiplies them with ggml-cpu's plain kernels")));
+        }
+        // SAFETY: weight is a valid tensor descriptor; only its type and
+        // shape are read.
+        let kernel = unsafe { sys::sdq_repack_kernel(weight) };
+        let ty = GgmlType(weight.type_);
+        match kernel {
+            -1 => (WeightLayout::Plain, None),
+            k if k >= 0 => (WeightLayout::Repacked(Repacked { kernel: k, ty, cols: weight.ne[0], rows: weight.ne[1] }), None),
+            _ => (
+                WeightLayout::Plain,
+                Some(format!("ggml-cpu repacks {} experts of {}x{} in a layout sdq does not know; sdq multiplies them with the plain kernels", ty.name(), weight.ne[0], weight.ne[1])),
+            ),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        match self {
+            WeightLayout::Plain => "plain",
+            WeightLayout::Repacked(r) => r.name(),
+        }
+    }
+}
+
+impl Repacked {
+    /// ggml-cpu's name for the layout (`q4_K_8x8_q8_K`).
+    pub fn name(&self) -> &'static str {
+        // SAFETY: returns a static string for any id.
+        unsafe { CStr::from_ptr(sys::sdq_repack_kernel_name(self.kernel)) }.to_str().unwrap_or("?")
+    }
+
+    /// Bytes of one expert (the same in both layouts).
+    pub fn expert_bytes(&self) -> usize {
+        self.ty.row_size(self.cols) * self.rows as usize
+    }
+
+    /// Converts one expert, read from the file into `data`, in place into
+    /// this layout. False if ggml's repack routine refuses it.
+    pub fn convert(&self, data: &mut [u8]) -> bool {
+        assert_eq!(data.len(), self.expert_bytes(), "one {} expert is {} bytes", self.name(), self.expert_bytes());
+        // SAFETY: data holds exactly one expert of rows × cols values of the
+        // kernel's type (checked above), which the routine rewrites in place.
+        unsafe { sys::sdq_repack_expert(self.kernel, self.cols, self.rows, data.as_mut_ptr().cast()) }
+    }
+
+    /// Multiplies one converted expert for routed rows `pairs` ((k, t)
+    /// flattened): activation row t·b_ne1 + k mod b_ne1 of `acts` (rows of
+    /// `act_row_bytes`) into the floats at out + k·nb1 + t·nb2, with the
+    /// GEMV calls stock's repacked mul_mat_id makes with `nth` threads.
+    ///
+    /// # Safety
+    /// `acts` must hold every activation row a pair names, converted to the
+    /// weight's `vec_dot_type`; for every pair, `rows` floats at out + k·nb1
+    /// + t·nb2 must be writable and written by no one else meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn mul(&self, data: &[u8], b_ne1: usize, acts: &[u8], act_row_bytes: usize, pairs: &[i32], out: *mut u8, nb1: usize, nb2: usize, nth: usize) {
+        assert_eq!(data.len(), self.expert_bytes(), "one {} expert is {} bytes", self.name(), self.expert_bytes());
+        // SAFETY: data is one converted expert (checked above); the rest is
+        // this function's contract.
+        unsafe {
+            sys::sdq_repack_mul(
+                self.kernel,
+                self.cols,
+                self.rows,
+                data.as_ptr().cast(),
+                b_ne1 as i64,
+                acts.as_ptr().cast(),
+                act_row_bytes,
+                (pairs.len() / 2) as i64,
+                pairs.as_ptr(),
+                out.cast(),
+                nb1,
+                nb2,
+                nth as i32,
+            )
+        }
+    }
+}

@@ -3,7 +3,7 @@
 //! trampoline runs inside `catch_unwind`, so nothing unwinds into C++.
 
 use crate::backend;
-use crate::ggml::{DotKernels, GgmlType};
+use crate::ggml::{DotKernels, GgmlType, WeightLayout};
 use crate::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
 use crate::pager::layout::{Part, PagedTensor};
 use crate::runtime::{self, fatal, guard};
@@ -63,12 +63,16 @@ extern "C" fn loader_file(_: *mut c_void, idx: u32, path: *const c_char) {
     })
 }
 
-extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor) -> bool {
+extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> bool {
     guard("is_paged", || {
         let Some(rt) = runtime::get() else { return false };
         // SAFETY: llama.cpp passes a valid tensor descriptor.
-        let (name, ty) = unsafe { (tensor_name(meta), GgmlType((*meta).type_)) };
-        rt.is_paged(&name, ty).unwrap_or_else(|e| fatal(&e.to_string()))
+        let (name, meta) = unsafe { (tensor_name(meta), &*meta) };
+        if Part::from_tensor_name(&name).is_none() {
+            return false;
+        }
+        let (layout, notice) = WeightLayout::of(meta, stock_buft);
+        rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| fatal(&e.to_string()))
     })
 }
 
@@ -89,6 +93,7 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
             nb: t.nb,
             file: idx,
             offset: offs,
+            layout: WeightLayout::Plain, // the runtime fills in what is_paged decided
         });
     })
 }
@@ -115,9 +120,10 @@ extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
 /// One `PagedMatmul` per paged tensor name, kept for the process's lifetime
 /// (graphs are rebuilt and reused; their userdata must stay valid).
 fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static PagedMatmul {
-    static OPS: OnceLock<Mutex<HashMap<String, &'static PagedMatmul>>> = OnceLock::new();
+    static OPS: OnceLock<Mutex<HashMap<(String, WeightLayout), &'static PagedMatmul>>> = OnceLock::new();
+    let layout = runtime::get().map_or(WeightLayout::Plain, |rt| rt.weight_layout(name));
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry(name.to_string()).or_insert_with(|| {
+    ops.entry((name.to_string(), layout)).or_insert_with(|| {
         let kernels = DotKernels::for_type(ty).unwrap_or_else(|| fatal(&format!("{name}: no CPU dot product for {}", ty.name())));
         let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         Box::leak(Box::new(PagedMatmul {
@@ -125,6 +131,7 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
             layer,
             part,
             kernels,
+            layout,
             counts_tokens: part == Part::Down && layer == first_layer,
             starts_step: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
             ends_step: part == Part::Down && layer == last_layer,
@@ -133,14 +140,16 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
 }
 
 /// One `PagedExperts` per layer, kept for the process's lifetime.
-fn paged_experts(name: &str, layer: u32, kernels: [DotKernels; 3]) -> &'static PagedExperts {
-    static OPS: OnceLock<Mutex<HashMap<u32, &'static PagedExperts>>> = OnceLock::new();
+fn paged_experts(names: &[String; 3], layer: u32, kernels: [DotKernels; 3]) -> &'static PagedExperts {
+    static OPS: OnceLock<Mutex<HashMap<(u32, [WeightLayout; 3]), &'static PagedExperts>>> = OnceLock::new();
+    let layouts = names.clone().map(|n| runtime::get().map_or(WeightLayout::Plain, |rt| rt.weight_layout(&n)));
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry(layer).or_insert_with(|| {
+    ops.entry((layer, layouts)).or_insert_with(|| {
         let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         let [gate, up, down] = kernels;
-        log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op");
-        Box::leak(Box::new(PagedExperts { name: name.to_string(), layer, gate, up, down, counts_tokens: layer == first_layer, ends_step: layer == last_layer }))
+        log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op ({}, {}, {})", layouts[0].name(), layouts[1].name(), layouts[2].name());
+        let name = names[2].clone();
+        Box::leak(Box::new(PagedExperts { name, layer, gate, up, down, layouts, counts_tokens: layer == first_layer, ends_step: layer == last_layer }))
     })
 }
 
@@ -329,7 +338,7 @@ extern "C" fn moe_experts(
         if !fits {
             return std::ptr::null_mut();
         }
-        let op = paged_experts(&names[2], layer, [kg, ku, kd]);
+        let op = paged_experts(&names, layer, [kg, ku, kd]);
         let mut args = vec![gate, up, down, b, ids];
         // The prediction is a source the op does not read: ggml computes it
         // just before the layer's experts, once routing is known (see

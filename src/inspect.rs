@@ -4,6 +4,7 @@
 
 use crate::budget::{self, human, MIB};
 use crate::error::{Error, Result};
+use crate::ggml::WeightLayout;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::pager::arena::slot_bytes;
 use crate::pager::layout::{Layout, PagedTensor, Part};
@@ -67,7 +68,8 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
             Some((layer, part)) => {
                 let row = t.ty.row_size(t.ne[0]);
                 let nb = [t.ty.row_size(t.ty.block_size()), row, row * t.ne[1] as usize, row * (t.ne[1] * t.ne[2]) as usize];
-                paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset });
+                // Plain: a repacked expert takes as many bytes as the file's.
+                paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset, layout: WeightLayout::Plain });
             }
             None => *resident.get_mut(category(&t.name)).expect("category listed") += t.size,
         }

@@ -2,11 +2,14 @@
 //! matmuls. `paged_moe_experts` takes a whole layer with SwiGLU (gate, up,
 //! SwiGLU and down per expert, so a batch pins and reads each expert once);
 //! `paged_mul_mat_id` replaces one `ggml_mul_mat_id` for any other layer.
-//! Both multiply exactly as ggml's CPU mul_mat_id does without repacking:
-//! the batch's activations converted once to the weight's `vec_dot_type`,
-//! then, per expert, ggml's tiled kernel where stock takes it (8 or more
-//! rows of a tiled type) and one `vec_dot` per value elsewhere; so results
-//! match that path bit for bit, with the weights from pinned arena slots.
+//! Both multiply exactly as ggml's CPU mul_mat_id does for the weight's
+//! layout in stock llama.cpp with the same flags: the batch's activations
+//! converted once to the weight's `vec_dot_type`, then per expert, for a
+//! weight stock repacks (the reader converted it into that layout), the
+//! repacked GEMV over the weight-row ranges of stock's threads; for a plain
+//! one, ggml's tiled kernel where stock takes it (8 or more rows of a tiled
+//! type) and one `vec_dot` per value elsewhere. So results match stock's bit
+//! for bit, with the weights from pinned arena slots.
 //!
 //! Work is split by expert, claimed dynamically: each of ggml's threads takes
 //! the next expert nobody has taken, preferring one already in the arena,
@@ -27,7 +30,7 @@
 //! These are FFI entry points (ggml calls them on its worker threads): tensor
 //! access here is raw, with each block's invariant stated.
 
-use crate::ggml::DotKernels;
+use crate::ggml::{DotKernels, WeightLayout};
 use crate::pager::layout::Part;
 use crate::pager::{Count, Pager};
 use crate::runtime::{self, fatal, guard};
@@ -46,6 +49,8 @@ pub struct PagedMatmul {
     pub layer: u32,
     pub part: Part,
     pub kernels: DotKernels,
+    /// The weight's layout in the arena (stock's: plain or repacked).
+    pub layout: WeightLayout,
     /// True for the first paged layer's down projection: it counts tokens.
     pub counts_tokens: bool,
     /// True for the first paged layer's first matmul (gate or gate_up), and
@@ -64,6 +69,8 @@ pub struct PagedExperts {
     pub gate: DotKernels,
     pub up: DotKernels,
     pub down: DotKernels,
+    /// The layouts of gate, up and down in the arena (stock's).
+    pub layouts: [WeightLayout; 3],
     /// True for the first paged layer: it counts tokens, and a step's paged
     /// work starts.
     pub counts_tokens: bool,
@@ -348,21 +355,31 @@ thread_local! {
 
 /// One expert's product with its routed rows: for each pair (k, t) of
 /// `rows`, weight · activation row t·b_ne1 + k mod b_ne1 of `acts` is
-/// written at `out` + k·nb1 + t·nb2 (bytes), by ggml's tiled kernel where
-/// stock would take it, else by one vec_dot per value.
+/// written at `out` + k·nb1 + t·nb2 (bytes), with the kernel stock uses for
+/// the weight: for a repacked one, the repacked GEMV over the column ranges
+/// of stock's `nth` threads; else ggml's tiled kernel where stock would take
+/// it, else one vec_dot per value.
 struct ExpertMatmul<'a> {
     kernels: &'a DotKernels,
     /// The paged weight tensor (type, rows, columns).
     weight: &'a sys::ggml_tensor,
+    layout: WeightLayout,
     /// sdq_expert_tiled_scratch for it: 0 when the tiled kernel cannot take it.
     tiled_bytes: usize,
+    /// ggml's threads for this op: stock's repacked kernel splits an
+    /// expert's rows by them.
+    nth: usize,
 }
 
 impl<'a> ExpertMatmul<'a> {
-    fn new(kernels: &'a DotKernels, weight: &'a sys::ggml_tensor) -> ExpertMatmul<'a> {
-        // SAFETY: weight is a valid tensor; the call only reads its type and shape.
-        let tiled_bytes = unsafe { sys::sdq_expert_tiled_scratch(weight) };
-        ExpertMatmul { kernels, weight, tiled_bytes }
+    fn new(kernels: &'a DotKernels, weight: &'a sys::ggml_tensor, layout: WeightLayout, nth: usize) -> ExpertMatmul<'a> {
+        // Stock never gives a repacked weight to the tiled kernel.
+        let tiled_bytes = match layout {
+            // SAFETY: weight is a valid tensor; the call only reads its type and shape.
+            WeightLayout::Plain => unsafe { sys::sdq_expert_tiled_scratch(weight) },
+            WeightLayout::Repacked(_) => 0,
+        };
+        ExpertMatmul { kernels, weight, layout, tiled_bytes, nth }
     }
 
     /// # Safety
@@ -373,6 +390,13 @@ impl<'a> ExpertMatmul<'a> {
     /// else meanwhile.
     #[allow(clippy::too_many_arguments)]
     unsafe fn run(&self, data: &[u8], acts: &[u8], b_ne1: usize, rows: &[i32], out: *mut u8, nb1: usize, nb2: usize, scratch: &mut Scratch) {
+        if let WeightLayout::Repacked(r) = self.layout {
+            let act_bytes = self.kernels.activation_row_bytes(self.weight.ne[0] as usize);
+            // SAFETY: per this function's contract; the reader converted the
+            // expert into this layout before publishing it.
+            unsafe { r.mul(data, b_ne1, acts, act_bytes, rows, out, nb1, nb2, self.nth) };
+            return;
+        }
         let tiled = self.tiled_bytes > 0
             // SAFETY: per this function's contract; the scratch holds
             // tiled_bytes, 64-byte aligned.
@@ -460,7 +484,7 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
     // its F32 input with contiguous rows (checked when the op was built).
     let batch = unsafe { join(key, op.layer, &op.name, starts_layer, &op.kernels, ids, b, pager) };
-    let matmul = ExpertMatmul::new(&op.kernels, w);
+    let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
     WORKSPACE.with_borrow_mut(|ws| {
         while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
             let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
@@ -510,7 +534,9 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
     // [n_embd, 1, n_tokens] input, contiguous (checked when the op was built).
     let batch = unsafe { join(key, op.layer, &op.name, true, &op.gate, ids, b, pager) };
-    let (gate, up, down) = (ExpertMatmul::new(&op.gate, gate_w), ExpertMatmul::new(&op.up, up_w), ExpertMatmul::new(&op.down, down_w));
+    let [gate_l, up_l, down_l] = op.layouts;
+    let (gate, up, down) =
+        (ExpertMatmul::new(&op.gate, gate_w, gate_l, nth), ExpertMatmul::new(&op.up, up_w, up_l, nth), ExpertMatmul::new(&op.down, down_w, down_l, nth));
     let down_act_bytes = op.down.activation_row_bytes(n_ff);
     WORKSPACE.with_borrow_mut(|ws| {
         let Workspace { tiled, fused: f } = ws;

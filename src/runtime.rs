@@ -5,14 +5,14 @@
 
 use crate::budget::{self, human, ProcMemory};
 use crate::error::Error;
-use crate::ggml::{DotKernels, GgmlType};
+use crate::ggml::{DotKernels, GgmlType, WeightLayout};
 use crate::options::Options;
 use crate::pager::io::ExpertReader;
 use crate::pager::layout::{Layout, Part, PagedTensor};
 use crate::pager::Pager;
 use crate::hotset::{HotExpert, HotSet};
 use crate::trace::{Phase, Recorder};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -41,6 +41,10 @@ struct Registry {
     /// Each layer's router (`blk.N.ffn_gate_inp.weight`), for predicting the
     /// next layer's experts: the loader's tensor, as an address.
     routers: BTreeMap<u32, usize>,
+    /// The layout stock gives each paged weight (plain or repacked), by name.
+    layouts: BTreeMap<String, WeightLayout>,
+    /// Notices about layouts already printed.
+    layout_notices: BTreeSet<String>,
 }
 
 impl Registry {
@@ -156,7 +160,9 @@ impl Runtime {
 
     /// True if the weight `name` of type `ty` is a routed expert to page. A
     /// routed expert of a type ggml's CPU backend cannot multiply is an error.
-    pub fn is_paged(&self, name: &str, ty: GgmlType) -> Result<bool, Error> {
+    /// `layout` is the one stock would give it: sdq's reads and kernels
+    /// reproduce it; `notice` (said once) where they cannot.
+    pub fn is_paged(&self, name: &str, ty: GgmlType, layout: WeightLayout, notice: Option<String>) -> Result<bool, Error> {
         if Part::from_tensor_name(name).is_none() {
             return Ok(false);
         }
@@ -166,7 +172,20 @@ impl Runtime {
                 ty.name()
             )));
         }
+        let mut r = self.lock_registry();
+        if let Some(n) = notice {
+            if r.layout_notices.insert(n.clone()) {
+                eprintln!("sdq: notice: {name}: {n}");
+            }
+        }
+        log::debug!("{name}: {} layout", layout.name());
+        r.layouts.insert(name.to_string(), layout);
         Ok(true)
+    }
+
+    /// The layout stock gives paged weight `name` (plain if it was not paged).
+    pub fn weight_layout(&self, name: &str) -> WeightLayout {
+        self.lock_registry().layouts.get(name).copied().unwrap_or(WeightLayout::Plain)
     }
 
     pub fn on_mapped_weight(&self, name: String, bytes: u64) {
@@ -195,8 +214,23 @@ impl Runtime {
         r.routers.get(&next).map(|&t| (next, t))
     }
 
-    pub fn on_paged_weight(&self, t: PagedTensor) {
-        self.lock_registry().tensors.insert(t.name.clone(), t);
+    pub fn on_paged_weight(&self, mut t: PagedTensor) {
+        let mut r = self.lock_registry();
+        t.layout = r.layouts.get(&t.name).copied().unwrap_or(WeightLayout::Plain);
+        // The arena holds experts in the layout of the first load; a later
+        // load (llama-bench's next test) must want the same one.
+        if let Some((pager, _)) = self.pager.get() {
+            let held = pager.layout().layers.get(&t.layer).and_then(|l| l.part(t.part)).map(|s| s.layout);
+            if held.is_some_and(|h| h != t.layout) {
+                fatal(&format!(
+                    "{}: the arena holds this process's experts in the {} layout, and this model load wants {} (another --repack setting); under --ram-budget, run one repack setting per process",
+                    t.name,
+                    held.map_or("plain", |h| h.name()),
+                    t.layout.name()
+                ));
+            }
+        }
+        r.tensors.insert(t.name.clone(), t);
     }
 
     /// The lowest layer with paged experts (the registry is complete once
@@ -429,6 +463,13 @@ impl Runtime {
             o.insert("arena_bytes".into(), json!(plan.arena_bytes));
             o.insert("load_seconds".into(), json!(plan.load_seconds));
             o.insert("top_k".into(), json!(plan.top_k));
+            // Paged tensors by the layout their experts take in the arena
+            // (stock's: "plain", or a repacked layout such as "q4_K_8x8_q8_K").
+            let mut layouts: BTreeMap<&str, u64> = BTreeMap::new();
+            for part in pager.layout().layers.values().flat_map(|l| &l.parts) {
+                *layouts.entry(part.layout.name()).or_default() += 1;
+            }
+            o.insert("expert_layouts".into(), json!(layouts));
             o.insert(
                 "slot_classes".into(),
                 json!(plan

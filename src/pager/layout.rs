@@ -13,7 +13,7 @@ use super::arena::slot_bytes;
 use super::io::{FileStamp, DIRECT_ALIGN};
 use crate::budget::human;
 use crate::error::{Error, Result};
-use crate::ggml::GgmlType;
+use crate::ggml::{GgmlType, WeightLayout};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::PathBuf;
@@ -59,6 +59,9 @@ pub struct PagedTensor {
     pub file: u32,
     /// Offset of expert 0's bytes in that file.
     pub offset: u64,
+    /// The layout stock gives it in memory: a repacked expert is converted
+    /// after its read (as many bytes as in the file).
+    pub layout: WeightLayout,
 }
 
 /// One part of one layer's experts, as read into a slot.
@@ -81,6 +84,8 @@ pub struct PartSpan {
     pub slot_offset: usize,
     /// The file opened with O_DIRECT, if direct I/O is on and works there.
     pub direct: Option<Arc<File>>,
+    /// The layout the part is converted into once read (stock's).
+    pub layout: WeightLayout,
 }
 
 impl PartSpan {
@@ -204,7 +209,12 @@ impl Layout {
                 if end > stamp.len {
                     return Err(Error::gguf(&path, format!("tensor {} runs to byte {end}, past the end of the file ({} bytes)", t.name, stamp.len)));
                 }
-                let span = PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset, direct };
+                if let WeightLayout::Repacked(r) = t.layout {
+                    if r.expert_bytes() != bytes {
+                        return Err(Error::invalid(format!("tensor {}: {} experts are {} bytes, {bytes} in the file", t.name, r.name(), r.expert_bytes())));
+                    }
+                }
+                let span = PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset, direct, layout: t.layout };
                 slot_offset += span.region();
                 parts.push(span);
             }

@@ -22,6 +22,7 @@ pub mod policy;
 pub mod residency;
 
 use crate::error::{Error, Result};
+use crate::ggml::WeightLayout;
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
 use policy::PolicyKind;
@@ -803,7 +804,22 @@ impl Shared {
         // changed meanwhile are never published.
         read.and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
             Error::io(format!("reading {:?} of expert {} of layer {} (offset {offset}) from", span.part, job.expert, ll.layer), &span.path, e)
-        })
+        })?;
+        // Stock's loader converts this weight into a repacked layout: so does
+        // the reader, before the expert is published.
+        if let WeightLayout::Repacked(r) = span.layout {
+            if !r.convert(&mut region[head..head + span.bytes]) {
+                return Err(Error::invalid(format!(
+                    "{}: ggml refused to convert {:?} of expert {} of layer {} to {}",
+                    span.path.display(),
+                    span.part,
+                    job.expert,
+                    ll.layer,
+                    r.name()
+                )));
+            }
+        }
+        Ok(())
     }
 
     fn finish_part(&self, job: &Job, result: Result<()>) {
