@@ -55,14 +55,13 @@ fn tool(name: &str) -> Result<PathBuf> {
     Ok(p)
 }
 
-/// Runs llama-completion greedily on stock's plain CPU path (no repacked or
-/// tiled kernels: the one the pager reproduces bit for bit).
+/// Runs llama-completion greedily (`--top-k 1`) with stock's defaults: the
+/// pager reproduces them bit for bit, repacked kernels included.
 fn complete(o: &DemoOptions, budget: Option<u64>, stats: &Path) -> Result<Run> {
     let mut cmd = Command::new(tool("llama-completion")?);
     cmd.args(["-m", &o.model.to_string_lossy(), "-p", &o.prompt, "-n", &o.n_predict.to_string()])
-        .args(["--temp", "0", "-no-cnv", "-c", "1024", "--seed", "1", "--no-repack"])
+        .args(["--top-k", "1", "-no-cnv", "-c", "1024", "--seed", "1"])
         .args(["-t", &o.threads.to_string()])
-        .env("GGML_CPU_TILED_MM", "0")
         .env_remove("SDQ_RAM_BUDGET")
         .stdin(std::process::Stdio::null());
     if let Some(b) = budget {

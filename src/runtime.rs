@@ -524,6 +524,8 @@ impl Runtime {
             o.insert("direct_io".into(), json!(direct > 0));
             o.insert("reads".into(), json!(c.reads));
             o.insert("read_seconds".into(), json!(c.read_seconds));
+            o.insert("converted_parts".into(), json!(c.converted));
+            o.insert("convert_seconds".into(), json!(c.convert_seconds));
             o.insert("miss_batches".into(), json!(c.miss_batches));
             o.insert("miss_batch_bytes".into(), json!(c.miss_batch_bytes));
             o.insert("miss_batch_seconds".into(), json!(c.miss_batch_seconds));

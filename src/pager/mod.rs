@@ -29,6 +29,7 @@ use policy::PolicyKind;
 use residency::Residency;
 use std::collections::HashMap;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -108,6 +109,10 @@ pub struct PagerCounts {
     pub device_bytes: u64,
     pub read_seconds: f64,
     pub reads: u64,
+    /// Expert parts converted into a repacked layout after their read, and
+    /// the CPU time the readers spent on it.
+    pub converted: u64,
+    pub convert_seconds: f64,
     /// Batches of misses read in parallel (`prepare`), their bytes, and their
     /// wall time from submission to the last byte.
     pub miss_batches: u64,
@@ -215,6 +220,9 @@ struct Shared {
     changed: Condvar,
     queue: Mutex<Queue>,
     queued: Condvar,
+    /// Parts converted into a repacked layout, and the time it took.
+    converted: AtomicU64,
+    convert_ns: AtomicU64,
 }
 
 pub struct Pager {
@@ -279,6 +287,8 @@ impl Pager {
             changed: Condvar::new(),
             queue: Mutex::new(Queue::default()),
             queued: Condvar::new(),
+            converted: AtomicU64::new(0),
+            convert_ns: AtomicU64::new(0),
         });
         let mut readers = (0..readers.max(1))
             .map(|i| {
@@ -589,6 +599,8 @@ impl Pager {
             device_bytes: st.device_bytes,
             read_seconds: st.read_ns as f64 / 1e9,
             reads: self.shared.reader.reads(),
+            converted: self.shared.converted.load(Ordering::Relaxed),
+            convert_seconds: self.shared.convert_ns.load(Ordering::Relaxed) as f64 / 1e9,
             miss_batches: st.batch_totals.0,
             miss_batch_bytes: st.batch_totals.1,
             miss_batch_seconds: st.batch_totals.2 as f64 / 1e9,
@@ -808,7 +820,11 @@ impl Shared {
         // Stock's loader converts this weight into a repacked layout: so does
         // the reader, before the expert is published.
         if let WeightLayout::Repacked(r) = span.layout {
-            if !r.convert(&mut region[head..head + span.bytes]) {
+            let started = Instant::now();
+            let converted = r.convert(&mut region[head..head + span.bytes]);
+            self.converted.fetch_add(1, Ordering::Relaxed);
+            self.convert_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            if !converted {
                 return Err(Error::invalid(format!(
                     "{}: ggml refused to convert {:?} of expert {} of layer {} to {}",
                     span.path.display(),

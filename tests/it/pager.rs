@@ -62,103 +62,123 @@ fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
     (u(probe, "rss_anon_after_load_bytes") + reserve + arena + slack).to_string()
 }
 
+/// Stock's two weight layouts for the same model: its defaults (Q4_K
+/// experts repacked into ggml-cpu's interleaved layout and multiplied with
+/// its repacked GEMV) and `--no-repack` (the file's layout, vec_dot).
+const REPACK: [(&str, &[&str]); 2] = [("defaults", &[]), ("no-repack", &["--no-repack"])];
+
+/// The layouts a run's stats say its experts took in the arena.
+fn layouts(stats: &Value) -> Vec<String> {
+    stats["expert_layouts"].as_object().unwrap_or_else(|| panic!("no expert_layouts in {stats}")).keys().cloned().collect()
+}
+
+/// A probe run (an arena with room for every expert) with `args`: its
+/// stats, the arena of every expert and the arena of one layer's top-k.
+fn arena_sizes(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> (Value, u64, u64) {
+    let probe = eval_env(model, &format!("probe-{tag}"), &[args, &["--ram-budget", "2G", "--sdq-reserve", "16M"]].concat(), env);
+    let stats = probe.stats.unwrap();
+    let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+    let classes = stats["slot_classes"].as_array().unwrap().clone();
+    let all: u64 = classes.iter().map(|c| slot(c) * 16 * u(c, "layers")).sum();
+    let top_k = u(&stats, "top_k");
+    let min: u64 = classes.iter().map(|c| slot(c) * top_k).sum();
+    (stats, all, min)
+}
+
 #[test]
 fn identical_to_stock_at_every_budget_thread_count_and_batch() {
     let model = tiny();
     let prompt = long_prompt();
     let reserve = 16 * MIB;
-    for threads in ["1", "2"] {
-        for ubatch in ["1", "512"] {
-            // A 1-token batch decodes the prompt token by token: a short one will do.
-            let prompt_args: &[&str] = if ubatch == "1" { &["-p", "The quick brown fox"] } else { &["--prompt-file", prompt.to_str().unwrap()] };
-            let base = [&["-n", "64", "-t", threads, "--ubatch", ubatch, "-c", "1024"][..], prompt_args].concat();
-            let cfg = format!("t{threads}-ub{ubatch}");
-            let stock = eval_env(model, &format!("stock-{cfg}"), &[&base[..], &["--no-repack"]].concat(), &[PLAIN]);
-            if ubatch == "512" {
-                assert_eq!(stock.json["prompt_tokens"].as_u64().map(|n| n > 512), Some(true), "prompt too short");
-            }
-            // Sizes from a run with room for every expert.
-            let probe = eval_env(model, &format!("probe-{cfg}"), &[&base[..], &["--no-repack", "--ram-budget", "2G", "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
-            let stats = probe.stats.as_ref().unwrap();
-            let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-            let all: u64 = stats["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * 16 * u(c, "layers")).sum();
-            let top_k = u(stats, "top_k");
-            let min: u64 = stats["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * top_k).sum();
-            // The minimum plus 1 MiB: anonymous RSS after load varies a little between runs.
-            for (name, arena) in [("all", all), ("half", all / 2), ("tenth", all / 10), ("minimum", min + MIB)] {
-                let budget = budget_for(stats, reserve, arena);
-                let run = eval_env(model, &format!("{name}-{cfg}"), &[&base[..], &["--no-repack", "--ram-budget", &budget, "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
-                let what = format!("{name} arena, {threads} threads, ubatch {ubatch}");
-                assert_eq!(run.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
-                assert_eq!(run.json["text"], stock.json["text"], "{what}: text differs");
-                // ggml's own kernels on the same bytes: bit-identical, not just close.
-                assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{what}: logits differ");
-                let s = run.stats.as_ref().unwrap();
-                // ASan's shadow memory is anonymous memory no budget plans for.
-                assert!(sanitized() || u(s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
-                // A batch reads each expert it touches once (gate, up and down
-                // together), whatever the arena holds. With two threads, a read
-                // may rarely have to evict an expert the batch has yet to use
-                // (every other slot busy); the per-matmul path reread 3.7 % of
-                // its misses here.
-                let rereads = u(s, "rereads");
-                if threads == "1" {
-                    assert_eq!(rereads, 0, "{what}: rereads: {s}");
-                } else {
-                    assert!(rereads * 100 <= u(s, "misses"), "{what}: rereads: {s}");
+    for (flags, repack) in REPACK {
+        for threads in ["1", "2"] {
+            for ubatch in ["1", "8", "512"] {
+                // A 1-token batch decodes the prompt token by token: a short one will do.
+                let prompt_args: &[&str] = if ubatch == "1" { &["-p", "The quick brown fox"] } else { &["--prompt-file", prompt.to_str().unwrap()] };
+                let base = [&["-n", "48", "-t", threads, "--ubatch", ubatch, "-c", "1024"][..], prompt_args, repack].concat();
+                let cfg = format!("{flags}-t{threads}-ub{ubatch}");
+                let stock = eval_env(model, &format!("stock-{cfg}"), &base, &[PLAIN]);
+                if ubatch != "1" {
+                    assert_eq!(stock.json["prompt_tokens"].as_u64().map(|n| n > 512), Some(true), "prompt too short");
                 }
-                if name == "minimum" && !sanitized() {
-                    let slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
-                    // 4 layers × top-4 = 16 experts of demand per class: fewer slots evict constantly.
-                    assert!(slots.iter().all(|&n| n >= top_k && n < 16), "{what}: slots {slots:?}");
-                    // Uses that found their expert read ahead are hits, but not reuse.
-                    let (read, reused) = (u(s, "misses") + u(s, "prefetch_used"), u(s, "hits") - u(s, "prefetch_used"));
-                    assert!(read > reused, "{what}: a minimum arena must evict constantly: {s}");
+                let (stats, all, min) = arena_sizes(model, &cfg, &base, &[PLAIN]);
+                let want = if repack.is_empty() { vec!["plain", "q4_K_8x8_q8_K"] } else { vec!["plain"] };
+                assert_eq!(layouts(&stats), want, "{cfg}: the arena's layouts");
+                let top_k = u(&stats, "top_k");
+                // The minimum plus 1 MiB: anonymous RSS after load varies a little between runs.
+                for (name, arena) in [("all", all), ("middle", all / 3), ("minimum", min + MIB)] {
+                    let budget = budget_for(&stats, reserve, arena);
+                    let run = eval_env(model, &format!("{name}-{cfg}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
+                    let what = format!("{name} arena, {flags}, {threads} threads, ubatch {ubatch}");
+                    assert_eq!(run.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
+                    assert_eq!(run.json["text"], stock.json["text"], "{what}: text differs");
+                    // ggml's own kernels on the same bytes: bit-identical, not just close.
+                    assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{what}: logits differ");
+                    let s = run.stats.as_ref().unwrap();
+                    // ASan's shadow memory is anonymous memory no budget plans for.
+                    assert!(sanitized() || u(s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
+                    // A batch reads each expert it touches once (gate, up and down
+                    // together), whatever the arena holds. With two threads, a read
+                    // may rarely have to evict an expert the batch has yet to use
+                    // (every other slot busy); the per-matmul path reread 3.7 % of
+                    // its misses here.
+                    let rereads = u(s, "rereads");
+                    if threads == "1" {
+                        assert_eq!(rereads, 0, "{what}: rereads: {s}");
+                    } else {
+                        assert!(rereads * 100 <= u(s, "misses"), "{what}: rereads: {s}");
+                    }
+                    if name == "minimum" && !sanitized() {
+                        let slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
+                        // 4 layers × top-4 = 16 experts of demand per class: fewer slots evict constantly.
+                        assert!(slots.iter().all(|&n| n >= top_k && n < 16), "{what}: slots {slots:?}");
+                        // Uses that found their expert read ahead are hits, but not reuse.
+                        let (read, reused) = (u(s, "misses") + u(s, "prefetch_used"), u(s, "hits") - u(s, "prefetch_used"));
+                        assert!(read > reused, "{what}: a minimum arena must evict constantly: {s}");
+                    }
                 }
             }
         }
     }
 }
 
-/// Without repacking, stock multiplies an expert that a batch gives 8 or
-/// more rows with ggml's tiled kernel (`GGML_CPU_TILED_MM`, on by default),
-/// and so does the pager: still bit for bit, in a tight arena as in one that
-/// holds every expert.
+/// The repacked layout matters on this model: stock's defaults and stock
+/// `--no-repack` give other logits, so a pager that multiplied the file's
+/// layout (or skipped the conversion) could not pass the tests above.
+#[test]
+fn stock_defaults_and_no_repack_differ_on_the_test_model() {
+    let prompt = long_prompt();
+    for ubatch in ["1", "512"] {
+        let args = ["-n", "16", "--ubatch", ubatch, "--prompt-file", prompt.to_str().unwrap(), "-c", "1024"];
+        let defaults = eval(tiny(), &format!("repack-matters-{ubatch}"), &args);
+        let plain = eval(tiny(), &format!("repack-matters-plain-{ubatch}"), &[&args[..], &["--no-repack"]].concat());
+        assert_ne!(max_abs_diff(&defaults.logits, &plain.logits), 0.0, "ubatch {ubatch}: repacking changed nothing");
+    }
+}
+
+/// Stock multiplies an expert that a batch gives 8 or more rows with ggml's
+/// tiled kernel (`GGML_CPU_TILED_MM`, on by default) where its weight is in
+/// the file's layout (never a repacked one), and so does the pager: still
+/// bit for bit, in a tight arena as in one that holds every expert, with
+/// repacking on (the Q6_K down experts take the tiled kernel) and off.
 #[test]
 fn identical_to_stock_with_the_tiled_kernel() {
     let model = tiny();
     let prompt = long_prompt();
-    let base = ["-n", "32", "-t", "2", "--ubatch", "512", "-c", "1024", "--prompt-file", prompt.to_str().unwrap(), "--no-repack"];
-    let stock = eval(model, "tiled-stock", &base);
-    let plain = eval_env(model, "tiled-stock-plain", &base, &[PLAIN]);
-    assert_ne!(max_abs_diff(&stock.logits, &plain.logits), 0.0, "the tiled kernel changed nothing: this test would prove nothing");
-    let args = [&["eval", "-m", model.to_str().unwrap()][..], &base[..]].concat();
-    let tight = tight_budget("sdq", &args, &[], 4 * MIB);
-    for budget in ["2G", tight.as_str()] {
-        let run = eval(model, &format!("tiled-paged-{budget}"), &[&base[..], &["--ram-budget", budget, "--sdq-reserve", "16M"]].concat());
-        assert_eq!(run.json["tokens"], stock.json["tokens"], "budget {budget}: tokens differ from stock");
-        assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "budget {budget}: logits differ from stock");
-        let s = run.stats.unwrap();
-        assert!(u(&s, "misses") + u(&s, "preloaded") > 0 && s["paged"] == true, "budget {budget}: nothing paged: {s}");
-    }
-}
-
-#[test]
-fn same_tokens_as_stock_defaults_and_logits_within_tolerance() {
-    // With its defaults, stock repacks Q4_K experts (another kernel's
-    // layout, another summation order); the pager multiplies them as stock
-    // does without repacking, so logits agree to rounding. Measured on
-    // this model: 1.7e-2 decoding the prompt one token at a time (stock
-    // --no-repack is 9e-3 from stock itself there), 1e-6 after a 512-token
-    // prompt batch (logits here span about ±4).
-    let prompt = long_prompt();
-    for ubatch in ["1", "512"] {
-        let args = ["-n", "64", "--ubatch", ubatch, "--prompt-file", prompt.to_str().unwrap(), "-c", "1024"];
-        let stock = eval(tiny(), &format!("defaults-stock-{ubatch}"), &args);
-        let paged = eval(tiny(), &format!("defaults-paged-{ubatch}"), &[&args[..], &["--ram-budget", &budget_mib(200), "--sdq-reserve", "16M"]].concat());
-        assert_eq!(paged.json["tokens"], stock.json["tokens"], "ubatch {ubatch}");
-        let d = max_abs_diff(&paged.logits, &stock.logits);
-        assert!(d <= 0.05, "ubatch {ubatch}: max |Δlogit| {d} over 0.05");
+    for (flags, repack) in REPACK {
+        let base = [&["-n", "32", "-t", "2", "--ubatch", "512", "-c", "1024", "--prompt-file", prompt.to_str().unwrap()][..], repack].concat();
+        let stock = eval(model, &format!("tiled-stock-{flags}"), &base);
+        let plain = eval_env(model, &format!("tiled-stock-plain-{flags}"), &base, &[PLAIN]);
+        assert_ne!(max_abs_diff(&stock.logits, &plain.logits), 0.0, "{flags}: the tiled kernel changed nothing: this test would prove nothing");
+        let args = [&["eval", "-m", model.to_str().unwrap()][..], &base[..]].concat();
+        let tight = tight_budget("sdq", &args, &[], 4 * MIB);
+        for budget in ["2G", tight.as_str()] {
+            let run = eval(model, &format!("tiled-paged-{flags}-{budget}"), &[&base[..], &["--ram-budget", budget, "--sdq-reserve", "16M"]].concat());
+            assert_eq!(run.json["tokens"], stock.json["tokens"], "{flags}, budget {budget}: tokens differ from stock");
+            assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{flags}, budget {budget}: logits differ from stock");
+            let s = run.stats.unwrap();
+            assert!(u(&s, "misses") + u(&s, "preloaded") > 0 && s["paged"] == true, "{flags}, budget {budget}: nothing paged: {s}");
+        }
     }
 }
 
@@ -167,27 +187,77 @@ fn fused_gate_up_and_qwen3moe_are_identical_to_stock() {
     let fused = gen_model("pager-fused.gguf", &["--preset", "tiny", "--fused-gate-up", "--layers", "4", "--seed", "5"]);
     let q3 = gen_model("pager-qwen3moe.gguf", &["--preset", "tiny", "--arch", "qwen3moe", "--layers", "4", "--experts", "32", "--top-k", "4", "--seed", "6"]);
     for (m, tag) in [(&fused, "fused"), (&q3, "qwen3moe")] {
-        let stock = eval(m, &format!("{tag}-stock"), &["-n", "64", "--no-repack"]);
-        let args = ["eval", "-m", m.to_str().unwrap(), "-n", "64", "--no-repack"];
-        let budget = tight_budget("sdq", &args, &[], 2 * MIB);
-        let paged = eval(m, &format!("{tag}-paged"), &["-n", "64", "--no-repack", "--ram-budget", &budget, "--sdq-reserve", "16M"]);
-        assert_eq!(paged.json["tokens"], stock.json["tokens"], "{tag}");
-        assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{tag}");
-        let s = paged.stats.unwrap();
-        assert!(u(&s, "misses") > 0 && s["paged"] == true, "{tag}: nothing paged: {s}");
+        for (flags, repack) in REPACK {
+            let base = [&["-n", "64"][..], repack].concat();
+            let stock = eval(m, &format!("{tag}-stock-{flags}"), &base);
+            let args = [&["eval", "-m", m.to_str().unwrap()][..], &base[..]].concat();
+            let budget = tight_budget("sdq", &args, &[], 2 * MIB);
+            let paged = eval(m, &format!("{tag}-paged-{flags}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat());
+            assert_eq!(paged.json["tokens"], stock.json["tokens"], "{tag}, {flags}");
+            assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{tag}, {flags}");
+            let s = paged.stats.unwrap();
+            assert!(u(&s, "misses") > 0 && s["paged"] == true, "{tag}, {flags}: nothing paged: {s}");
+            let want: &[&str] = if repack.is_empty() { &["plain", "q4_K_8x8_q8_K"] } else { &["plain"] };
+            assert_eq!(layouts(&s), want, "{tag}, {flags}: the arena's layouts");
+        }
     }
 }
 
+/// Every expert type: those stock repacks on this CPU (ggml-cpu's choice,
+/// which the pager follows: the stats name the layout) and those it leaves
+/// in the file's layout, with repacking on and off, in batches of 1, 8 and
+/// 512 tokens, in a tight arena. Stock's two layouts round differently
+/// enough to change the final logits of some of these runs (not all: Q2_K's
+/// repacked GEMV gives plain vec_dot's bits on this model), so the test
+/// would catch the pager multiplying the wrong layout there; a skipped
+/// conversion gives garbage everywhere.
 #[test]
 fn other_expert_types_are_paged_identically() {
-    for ty in ["q8_0", "q4_0", "q4_1", "q5_K", "iq4_xs", "mxfp4"] {
+    let avx512 = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().contains(" avx512f");
+    let avx2 = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().contains(" avx2");
+    let prompt = long_prompt();
+    let types: &[(&str, Option<&str>)] = &[
+        ("q4_0", avx2.then_some("q4_0_8x8_q8_0")),
+        ("iq4_nl", avx2.then_some("iq4_nl_8x8_q8_0")),
+        ("mxfp4", avx2.then_some("mxfp4_8x8_q8_0")),
+        ("q2_K", avx512.then_some("q2_K_8x8_q8_K")),
+        ("q6_K", None),
+        ("q5_K", None),
+        ("q8_0", None),
+        ("q4_1", None),
+        ("iq4_xs", None),
+    ];
+    let mut differ = Vec::new();
+    for &(ty, repacked) in types {
         let m = gen_model(&format!("pager-{ty}.gguf"), &["--preset", "tiny", "--layers", "4", "--expert-type", ty]);
-        let stock = eval(&m, &format!("{ty}-stock"), &["-n", "32", "--no-repack"]);
-        let budget = tight_budget("sdq", &["eval", "-m", m.to_str().unwrap(), "-n", "32", "--no-repack"], &[], 2 * MIB);
-        let paged = eval(&m, &format!("{ty}-paged"), &["-n", "32", "--no-repack", "--ram-budget", &budget, "--sdq-reserve", "16M"]);
-        assert_eq!(paged.json["tokens"], stock.json["tokens"], "{ty}");
-        assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{ty}");
+        let ubatches: &[&str] = if repacked.is_some() { &["1", "8", "512"] } else { &["1", "512"] };
+        for &ubatch in ubatches {
+            let prompt_args: &[&str] = if ubatch == "1" { &["-p", "The quick brown fox"] } else { &["--prompt-file", prompt.to_str().unwrap()] };
+            let mut stocks = Vec::new();
+            for (flags, repack) in REPACK {
+                let base = [&["-n", "48", "--ubatch", ubatch, "-c", "1024"][..], prompt_args, repack].concat();
+                let what = format!("{ty}, {flags}, ubatch {ubatch}");
+                let stock = eval(&m, &format!("{ty}-stock-{flags}-{ubatch}"), &base);
+                let args = [&["eval", "-m", m.to_str().unwrap()][..], &base[..]].concat();
+                let budget = tight_budget("sdq", &args, &[], 2 * MIB);
+                let paged = eval(&m, &format!("{ty}-paged-{flags}-{ubatch}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat());
+                assert_eq!(paged.json["tokens"], stock.json["tokens"], "{what}");
+                assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0, "{what}");
+                let s = paged.stats.unwrap();
+                assert!(u(&s, "misses") > 0, "{what}: nothing paged: {s}");
+                let want = match (repack.is_empty(), repacked) {
+                    (true, Some(kernel)) => kernel,
+                    _ => "plain",
+                };
+                assert_eq!(layouts(&s), vec![want], "{what}: the arena's layouts");
+                stocks.push(stock.logits);
+            }
+            if repacked.is_some() && max_abs_diff(&stocks[0], &stocks[1]) != 0.0 {
+                differ.push(format!("{ty} ubatch {ubatch}"));
+            }
+        }
     }
+    assert!(differ.len() >= 3, "stock's defaults and --no-repack differ only in {differ:?}: this test proves little");
 }
 
 #[test]
@@ -319,23 +389,24 @@ fn perplexity_is_the_same_with_a_budget() {
     let text = scratch().join("ppl-pager.txt");
     std::fs::write(&text, "The lamp in the window burned late while the baker counted loaves and the cat slept. ".repeat(40)).unwrap();
     let model = tiny().to_str().unwrap();
-    let base = ["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128", "--no-repack"];
-    let ppl = |extra: &[&str]| {
-        let o = run(
-            Command::new(bin("llama-perplexity"))
-                .args(base)
-                .args(extra)
-                .env(PLAIN.0, PLAIN.1),
-            300,
-        );
-        assert!(o.status.success(), "{}", stderr(&o));
-        let all = stdout(&o) + &stderr(&o);
-        all.split("Final estimate: PPL = ").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_string).unwrap()
-    };
-    // Stock's plain path (see PLAIN): the same value to every printed digit.
-    let stock = ppl(&[]);
-    let budget = tight_budget("llama-perplexity", &base, &[PLAIN], 4 * MIB);
-    assert_eq!(ppl(&["--ram-budget", &budget, "--sdq-reserve", "16M"]), stock);
+    // Stock's defaults, and its plain path (see PLAIN): the same value to
+    // every printed digit.
+    for (flags, env) in [("defaults", None), ("plain", Some(PLAIN))] {
+        let mut base = vec!["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128"];
+        if env.is_some() {
+            base.push("--no-repack");
+        }
+        let env: Vec<(&str, &str)> = env.into_iter().collect();
+        let ppl = |extra: &[&str]| {
+            let o = run(Command::new(bin("llama-perplexity")).args(&base).args(extra).envs(env.iter().copied()), 300);
+            assert!(o.status.success(), "{}", stderr(&o));
+            let all = stdout(&o) + &stderr(&o);
+            all.split("Final estimate: PPL = ").nth(1).and_then(|s| s.split_whitespace().next()).map(str::to_string).unwrap()
+        };
+        let stock = ppl(&[]);
+        let budget = tight_budget("llama-perplexity", &base, &env, 4 * MIB);
+        assert_eq!(ppl(&["--ram-budget", &budget, "--sdq-reserve", "16M"]), stock, "{flags}");
+    }
 }
 
 #[test]
@@ -377,36 +448,55 @@ fn unsupported_expert_type_is_named_at_load() {
     assert!(err.contains("blk.1.ffn_down_exps.weight") && err.contains("i32"), "{err}");
 }
 
+/// A 4-slot server, each of stock's layouts. Requests one at a time: each
+/// answer's text and the probabilities of its top candidates at every token
+/// are stock's to the last bit. Four requests at once: the same texts as
+/// stock. (Under concurrent load stock's own probabilities vary from run to
+/// run in their last bits: how many KV cells a step attends over depends on
+/// which requests share it. So only the text is compared there.)
 #[test]
 fn server_with_a_budget_answers_concurrent_requests_like_stock() {
     let model = tiny().to_str().unwrap();
     let prompts = ["Once upon a time", "The river runs", "In the beginning", "Apples and letters"];
-    let ask = |port: u16| -> Vec<String> {
-        std::thread::scope(|s| {
-            let hs: Vec<_> = prompts
-                .iter()
-                .map(|p| {
-                    s.spawn(move || {
-                        let body = format!(r#"{{"prompt":"{p}","n_predict":16,"temperature":0,"cache_prompt":false}}"#);
-                        let (status, body) = http(port, "POST", "/completion", Some(&body)).unwrap();
-                        assert_eq!(status, 200, "{body}");
-                        let v: Value = serde_json::from_str(&body).unwrap();
-                        v["content"].as_str().unwrap().to_string()
-                    })
-                })
-                .collect();
+    let ask_one = |port: u16, p: &str| -> (String, String) {
+        let body = format!(r#"{{"prompt":"{p}","n_predict":16,"top_k":1,"n_probs":4,"cache_prompt":false}}"#);
+        let (status, body) = http(port, "POST", "/completion", Some(&body)).unwrap();
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert!(v["completion_probabilities"].as_array().is_some_and(|a| a.len() == 16), "{v}");
+        (v["content"].as_str().unwrap().to_string(), v["completion_probabilities"].to_string())
+    };
+    let ask = |port: u16| -> (Vec<(String, String)>, Vec<String>) {
+        let one_at_a_time = prompts.iter().map(|p| ask_one(port, p)).collect();
+        let at_once = std::thread::scope(|s| {
+            let hs: Vec<_> = prompts.iter().map(|p| s.spawn(move || ask_one(port, p).0)).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        });
+        (one_at_a_time, at_once)
     };
-    let common = ["-m", model, "-c", "2048", "-np", "4", "-t", "2", "--no-warmup", "--no-repack"];
-    let stock = {
-        let (_server, port) = start_server_env(&common, &[PLAIN]);
-        ask(port)
-    };
-    // Tiny's experts are 15 MB in all; 200M leaves them some 40 MB over what the
-    // server holds after load (its weights, 4 slots' KV cache).
-    let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget_mib(200), "--sdq-reserve", "16M"]].concat(), &[PLAIN]);
-    assert_eq!(ask(port), stock);
+    for (flags, repack) in REPACK {
+        let common = [&["-m", model, "-c", "2048", "-np", "4", "-t", "2", "--no-warmup"][..], repack].concat();
+        let stock = {
+            let (_server, port) = start_server_env(&common, &[PLAIN]);
+            ask(port)
+        };
+        // Tiny's experts are 15 MB in all; 200M leaves them some 40 MB over what the
+        // server holds after load (its weights, 4 slots' KV cache).
+        let stats = scratch().join(format!("server-stats-{flags}.json"));
+        let budget = budget_mib(200);
+        let paged = {
+            let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
+            ask(port)
+        };
+        for (i, (paged, stock)) in paged.0.iter().zip(&stock.0).enumerate() {
+            assert_eq!(paged.0, stock.0, "{flags}: request {i}: text differs from stock");
+            assert!(paged.1 == stock.1, "{flags}: request {i}: probabilities differ from stock:\n{}\n{}", paged.1, stock.1);
+        }
+        assert_eq!(paged.1, stock.1, "{flags}: concurrent requests: texts differ from stock");
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let want: &[&str] = if repack.is_empty() { &["plain", "q4_K_8x8_q8_K"] } else { &["plain"] };
+        assert_eq!(layouts(&s), want, "{flags}: the arena's layouts");
+    }
 }
 
 #[test]
