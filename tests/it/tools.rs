@@ -19,7 +19,7 @@ fn completion_is_greedy_and_repeatable() {
 fn cli_answers_one_turn() {
     let model = tiny().to_str().unwrap();
     let o = run(
-        Command::new(bin("llama-cli")).args(["-m", model, "-st", "-p", "Hello", "-n", "8", "--temp", "0", "-t", "2", "-c", "512"]),
+        Command::new(bin("llama-cli")).args(["-m", model, "-st", "-p", "Hello", "-n", "8", "--top-k", "1", "-t", "2", "-c", "512"]),
         300,
     );
     assert!(o.status.success(), "llama-cli failed ({}):\n{}", o.status, stderr(&o));

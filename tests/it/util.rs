@@ -83,7 +83,7 @@ pub fn stderr(o: &Output) -> String {
 /// Greedy, deterministic llama-completion arguments for `model`.
 pub fn completion_args(model: &Path, prompt: &str, n: u32) -> Vec<String> {
     [
-        "-m", model.to_str().unwrap(), "-p", prompt, "-n", &n.to_string(), "--temp", "0", "-no-cnv",
+        "-m", model.to_str().unwrap(), "-p", prompt, "-n", &n.to_string(), "--top-k", "1", "-no-cnv",
         "-t", "2", "-c", "512", "--seed", "1", "--no-warmup",
     ]
     .iter()
