@@ -122,6 +122,11 @@ int sdq_buft_layout(ggml_backend_buffer_type_t buft);
  * it repacks it into a layout sdq cannot reproduce. */
 int sdq_repack_kernel(const struct ggml_tensor * weight);
 
+/* Whether sdq converts into `kernel`'s layout with its own faster routine:
+ * 1 (it gave ggml's bytes for a sample expert), 0 (there is none: ggml's
+ * routine converts), -1 (it differed, so ggml's routine converts). */
+int sdq_repack_fast(int kernel);
+
 /* The kernel's name as ggml-cpu spells the layout ("q4_K_8x8_q8_K"). */
 const char * sdq_repack_kernel_name(int kernel);
 

@@ -228,3 +228,16 @@ mod tests {
         assert!(e.contains("1.00 GiB") && e.contains("512.0 MiB"), "{e}");
     }
 }
+
+/// CPU time the calling thread has used, in nanoseconds (0 where the clock
+/// is unavailable): what a piece of work cost, whatever else shared the cores.
+pub fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec, which t is.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } == 0;
+    if ok {
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    } else {
+        0
+    }
+}

@@ -187,7 +187,12 @@ impl WeightLayout {
         let ty = GgmlType(weight.type_);
         match kernel {
             -1 => (WeightLayout::Plain, None),
-            k if k >= 0 => (WeightLayout::Repacked(Repacked { kernel: k, ty, cols: weight.ne[0], rows: weight.ne[1] }), None),
+            k if k >= 0 => {
+                let r = Repacked { kernel: k, ty, cols: weight.ne[0], rows: weight.ne[1] };
+                let notice = (r.fast() == Some(false))
+                    .then(|| format!("sdq's fast conversion into {} differs from ggml's; converting with ggml's own (slower)", r.name()));
+                (WeightLayout::Repacked(r), notice)
+            }
             _ => (
                 WeightLayout::Plain,
                 Some(format!("ggml-cpu repacks {} experts of {}x{} in a layout sdq does not know; sdq multiplies them with the plain kernels", ty.name(), weight.ne[0], weight.ne[1])),
@@ -208,6 +213,18 @@ impl Repacked {
     pub fn name(&self) -> &'static str {
         // SAFETY: returns a static string for any id.
         unsafe { CStr::from_ptr(sys::sdq_repack_kernel_name(self.kernel)) }.to_str().unwrap_or("?")
+    }
+
+    /// Whether experts are converted with sdq's faster routine, which gave
+    /// ggml's bytes for a sample (`Some(true)`), with ggml's because sdq's
+    /// differed (`Some(false)`), or with ggml's, the only one (`None`).
+    pub fn fast(&self) -> Option<bool> {
+        // SAFETY: an atomic load in a static table, for any id.
+        match unsafe { sys::sdq_repack_fast(self.kernel) } {
+            1 => Some(true),
+            -1 => Some(false),
+            _ => None,
+        }
     }
 
     /// Bytes of one expert (the same in both layouts).

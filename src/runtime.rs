@@ -470,6 +470,19 @@ impl Runtime {
                 *layouts.entry(part.layout.name()).or_default() += 1;
             }
             o.insert("expert_layouts".into(), json!(layouts));
+            // Repacked layouts converted with sdq's faster routine (checked
+            // against ggml's bytes at load) rather than ggml's own.
+            let fast: BTreeSet<&str> = pager
+                .layout()
+                .layers
+                .values()
+                .flat_map(|l| &l.parts)
+                .filter_map(|p| match p.layout {
+                    WeightLayout::Repacked(r) if r.fast() == Some(true) => Some(r.name()),
+                    _ => None,
+                })
+                .collect();
+            o.insert("fast_conversions".into(), json!(fast));
             o.insert(
                 "slot_classes".into(),
                 json!(plan

@@ -110,7 +110,7 @@ pub struct PagerCounts {
     pub read_seconds: f64,
     pub reads: u64,
     /// Expert parts converted into a repacked layout after their read, and
-    /// the CPU time the readers spent on it.
+    /// the CPU time (not wall time) the readers spent on it.
     pub converted: u64,
     pub convert_seconds: f64,
     /// Batches of misses read in parallel (`prepare`), their bytes, and their
@@ -820,10 +820,10 @@ impl Shared {
         // Stock's loader converts this weight into a repacked layout: so does
         // the reader, before the expert is published.
         if let WeightLayout::Repacked(r) = span.layout {
-            let started = Instant::now();
+            let started = crate::budget::thread_cpu_ns();
             let converted = r.convert(&mut region[head..head + span.bytes]);
             self.converted.fetch_add(1, Ordering::Relaxed);
-            self.convert_ns.fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            self.convert_ns.fetch_add(crate::budget::thread_cpu_ns().saturating_sub(started), Ordering::Relaxed);
             if !converted {
                 return Err(Error::invalid(format!(
                     "{}: ggml refused to convert {:?} of expert {} of layer {} to {}",

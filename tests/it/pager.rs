@@ -156,6 +156,25 @@ fn stock_defaults_and_no_repack_differ_on_the_test_model() {
     }
 }
 
+/// sdq converts Q4_K experts into ggml's 8x8 layout with its own faster
+/// routine only once that routine has given ggml's bytes at start-up (it
+/// falls back to ggml's, with a notice, otherwise): a regression in it must
+/// not hide behind the fallback, whose results are still right.
+#[test]
+fn the_fast_q4_k_conversion_gives_ggmls_bytes() {
+    let stats = scratch().join("fast-conversion-stats.json");
+    let out = run(
+        Command::new(bin("sdq"))
+            .args(["eval", "-m", tiny().to_str().unwrap(), "-n", "8", "--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+        300,
+    );
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(!stderr(&out).contains("differs from ggml's"), "{}", stderr(&out));
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(u(&s, "converted_parts") > 0, "nothing converted: {s}");
+    assert_eq!(s["fast_conversions"], serde_json::json!(["q4_K_8x8_q8_K"]), "{s}");
+}
+
 /// Stock multiplies an expert that a batch gives 8 or more rows with ggml's
 /// tiled kernel (`GGML_CPU_TILED_MM`, on by default) where its weight is in
 /// the file's layout (never a repacked one), and so does the pager: still
