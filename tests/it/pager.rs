@@ -503,16 +503,28 @@ fn server_with_a_budget_answers_concurrent_requests_like_stock() {
         // server holds after load (its weights, 4 slots' KV cache).
         let stats = scratch().join(format!("server-stats-{flags}.json"));
         let budget = budget_mib(200);
-        let paged = {
+        let _ = std::fs::remove_file(&stats);
+        let (paged, s) = {
             let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
-            ask(port)
+            let answers = ask(port);
+            // The server is killed at the end of this block, without its exit
+            // handlers: the stats come from its snapshot, written each second.
+            let started = std::time::Instant::now();
+            let s = loop {
+                let s = std::fs::read_to_string(&stats).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).filter(|s| s.get("expert_layouts").is_some());
+                match s {
+                    Some(s) => break s,
+                    None if started.elapsed().as_secs() < 20 => std::thread::sleep(std::time::Duration::from_millis(100)),
+                    None => panic!("{flags}: no stats snapshot in {} after 20 s", stats.display()),
+                }
+            };
+            (answers, s)
         };
         for (i, (paged, stock)) in paged.0.iter().zip(&stock.0).enumerate() {
             assert_eq!(paged.0, stock.0, "{flags}: request {i}: text differs from stock");
             assert!(paged.1 == stock.1, "{flags}: request {i}: probabilities differ from stock:\n{}\n{}", paged.1, stock.1);
         }
         assert_eq!(paged.1, stock.1, "{flags}: concurrent requests: texts differ from stock");
-        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
         let want: &[&str] = if repack.is_empty() { &["plain", "q4_K_8x8_q8_K"] } else { &["plain"] };
         assert_eq!(layouts(&s), want, "{flags}: the arena's layouts");
     }
