@@ -6,6 +6,9 @@ use crate::{growth, hooks, preflight, runtime};
 use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
+/// sdq's version and the pinned llama.cpp commit, as `--version` prints them.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (llama.cpp ", env!("SDQ_LLAMA_COMMIT"), ")");
+
 /// An upstream tool's entry function, `int llama_x(int argc, char ** argv)`, behind its C shim.
 pub type Entry = unsafe extern "C" fn(c_int, *mut *mut c_char) -> c_int;
 
@@ -125,6 +128,10 @@ pub fn run(entry: Entry) -> ! {
             std::process::exit(1);
         }
     };
+    if args.iter().skip(1).any(|a| a == "--version") {
+        // Upstream's own version lines follow (its build number and commit).
+        eprintln!("sdq {VERSION}");
+    }
     if args.iter().skip(1).any(|a| a == "-h" || a == "--help" || a == "--usage") {
         // Upstream prints its help and may exit() from inside its parser.
         // SAFETY: registering a plain extern "C" function with no state.

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 #[derive(Parser)]
-#[command(name = "sdq", version, about = "Run MoE GGUF models larger than RAM with llama.cpp")]
+#[command(name = "sdq", version = sdq::tools::VERSION, about = "Run MoE GGUF models larger than RAM with llama.cpp")]
 struct Cli {
     #[command(subcommand)]
     command: Command,
