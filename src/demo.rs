@@ -46,9 +46,27 @@ struct Run {
     stats: Option<serde_json::Value>,
 }
 
+/// The drop-in tool `name` next to this executable. Under `cargo run`
+/// (the README's first command builds only `sdq`), the tools are built
+/// first, with the same profile, by the cargo that started us.
 fn tool(name: &str) -> Result<PathBuf> {
     let exe = std::env::current_exe().map_err(|e| Error::io("cannot locate", Path::new("sdq"), e))?;
     let p = exe.with_file_name(name);
+    if !p.is_file() {
+        if let (Some(cargo), Some(manifest)) = (std::env::var_os("CARGO"), std::env::var_os("CARGO_MANIFEST_DIR")) {
+            let release = exe.parent().and_then(|d| d.file_name()).is_some_and(|n| n == "release");
+            println!("building the drop-in llama.cpp tools (once)...");
+            let mut build = Command::new(cargo);
+            build.args(["build", "--bins", "--manifest-path"]).arg(Path::new(&manifest).join("Cargo.toml"));
+            if release {
+                build.arg("--release");
+            }
+            let ok = build.status().is_ok_and(|s| s.success());
+            if !ok {
+                return Err(Error::invalid("building the drop-in tools failed; run `cargo build --release` and try again".to_string()));
+            }
+        }
+    }
     if !p.is_file() {
         return Err(Error::invalid(format!("{} not found next to sdq (run `cargo build --release` first)", p.display())));
     }
