@@ -22,7 +22,10 @@ const SKIP_TOP_LEVEL: &[&str] = &[
 ];
 
 /// The upstream tools the Cargo binaries run (entry shims in shim/tools/).
-const TOOLS: &[&str] = &["cli", "completion", "server", "bench", "perplexity", "quantize"];
+const TOOLS: &[&str] = &[
+    "cli", "completion", "server", "bench", "batched-bench", "perplexity", "quantize", "gguf-split", "imatrix",
+    "tokenize", "mtmd-cli",
+];
 
 /// The headers bindgen reads.
 const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "gguf.h", "llama.h"];
@@ -365,13 +368,31 @@ fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, cmake_exe: Optio
         .define("LLAMA_BUILD_NUMBER", "1")
         .define("LLAMA_BUILD_COMMIT", &pin.commit[..7])
         .build_target("sdq-tools");
-    if Command::new("ninja").arg("--version").output().is_ok_and(|o| o.status.success()) {
+    let ninja = Command::new("ninja").arg("--version").output().is_ok_and(|o| o.status.success());
+    if ninja {
         cfg.generator("Ninja");
     }
+    forget_stale_generator(&work.join("build"), ninja);
     if let Ok(jobs) = env::var("SDQ_CMAKE_JOBS") {
         cfg.build_arg(format!("-j{jobs}"));
     }
     cfg.build().join("build")
+}
+
+/// A build directory configured with another generator, or with a make
+/// program that is gone (ninja uninstalled since), makes cmake stop at once;
+/// its cache is dropped so the configure step starts over (objects stay).
+fn forget_stale_generator(build_dir: &Path, ninja: bool) {
+    let cache = build_dir.join("CMakeCache.txt");
+    let Ok(text) = fs::read_to_string(&cache) else { return };
+    let value = |key: &str| text.lines().find_map(|l| l.strip_prefix(key)).map(str::to_string);
+    let was_ninja = value("CMAKE_GENERATOR:INTERNAL=").is_some_and(|g| g == "Ninja");
+    let program_gone = value("CMAKE_MAKE_PROGRAM:FILEPATH=").is_some_and(|p| p.starts_with('/') && !Path::new(&p).exists());
+    if was_ninja != ninja || program_gone {
+        eprintln!("{}: configured for another generator; configuring again", build_dir.display());
+        let _ = fs::remove_file(&cache);
+        let _ = fs::remove_dir_all(build_dir.join("CMakeFiles"));
+    }
 }
 
 /// One object per tool, so each binary links only the tool it runs.

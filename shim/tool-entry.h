@@ -27,3 +27,22 @@ static int sdq_guarded(int argc, char ** argv) {
     extern "C" int sdq_tool_##name(int argc, char ** argv) {              \
         return sdq_guarded<llama_##name>(argc, argv);                     \
     }
+
+// The same for a tool whose upstream `main` takes `const char ** argv`
+// (llama-gguf-split): compiled with `main` renamed to `entry`.
+#define SDQ_TOOL_ENTRY_CONST_ARGV(name, entry)                            \
+    int entry(int argc, const char ** argv);                              \
+    static int sdq_##name##_adapter(int argc, char ** argv) {             \
+        return entry(argc, const_cast<const char **>(argv));              \
+    }                                                                     \
+    extern "C" int sdq_tool_##name(int argc, char ** argv) {              \
+        return sdq_guarded<sdq_##name##_adapter>(argc, argv);             \
+    }
+
+// The same for a tool whose renamed `main` is called `entry` (its own name
+// would clash with the library, e.g. llama_tokenize).
+#define SDQ_TOOL_ENTRY_NAMED(name, entry)                                 \
+    int entry(int argc, char ** argv);                                    \
+    extern "C" int sdq_tool_##name(int argc, char ** argv) {              \
+        return sdq_guarded<entry>(argc, argv);                            \
+    }

@@ -24,6 +24,11 @@ pub mod entry {
         pub fn sdq_tool_bench(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_perplexity(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_quantize(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_batched_bench(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_gguf_split(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_imatrix(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_tokenize(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_mtmd_cli(argc: c_int, argv: *mut *mut c_char) -> c_int;
     }
 }
 

@@ -268,7 +268,8 @@ struct GenModelArgs {
     /// Starting geometry: tiny (tens of MB) or 35b-a3b (the 35B-A3B target, ~21 GB).
     #[arg(long, default_value = "tiny")]
     preset: String,
-    /// Architecture: qwen35moe or qwen3moe (qwen3moe drops the shared expert and SSM layers).
+    /// Architecture family: qwen35moe, qwen3moe, qwen3next, gpt-oss, deepseek2, glm4moe,
+    /// gemma4 or llama (Mixtral); each brings its own tensors, metadata and defaults.
     #[arg(long)]
     arch: Option<String>,
     #[arg(long)]
@@ -325,10 +326,7 @@ struct GenModelArgs {
 fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     let mut spec = ModelSpec::preset(&a.preset)?;
     if let Some(arch) = &a.arch {
-        spec.arch = Arch::from_name(arch)?;
-        if spec.arch == Arch::Qwen3Moe && a.shared_ff.is_none() {
-            spec.n_ff_shexp = 0;
-        }
+        spec.set_arch(Arch::from_name(arch)?);
     }
     macro_rules! set {
         ($($field:ident = $arg:ident),*) => { $(if let Some(v) = a.$arg { spec.$field = v; })* };

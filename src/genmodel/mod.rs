@@ -5,7 +5,7 @@
 mod fill;
 mod spec;
 
-pub use spec::{Arch, Fill, ModelSpec, PlannedTensor, PRESETS};
+pub use spec::{Arch, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, Router, Shared, FAMILIES, PRESETS};
 
 use crate::error::{Error, Result};
 use crate::gguf::{Array, Gguf, GgufBuilder, Value};
@@ -98,7 +98,8 @@ fn padded(n: u64, align: u64) -> u64 {
 }
 
 fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> Result<()> {
-    let arch = spec.arch.name();
+    let f = spec.family();
+    let arch = f.name;
     let k = |key: &str| format!("{arch}.{key}");
     let u32v = |v: i64| Value::U32(u32::try_from(v).expect("validated geometry fits u32"));
 
@@ -109,32 +110,84 @@ fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
     b.set("sdq.preset", &Value::Str(opts.preset.clone()));
     b.set("sdq.seed", &Value::U64(spec.seed));
 
-    b.set(&k("block_count"), &u32v(spec.n_layer as i64));
+    b.set(&k("block_count"), &u32v(spec.n_block() as i64));
     b.set(&k("context_length"), &Value::U32(spec.context_length));
     b.set(&k("embedding_length"), &u32v(spec.n_embd));
-    b.set(&k("feed_forward_length"), &u32v(spec.n_ff_exp));
+    // Mixtral's experts are its FFN; families with dense layers give those.
+    let n_ff = match f.shared {
+        Shared::DenseMlp => spec.n_ff_dense,
+        _ if spec.n_layer_dense_lead > 0 => spec.n_ff_dense,
+        _ => spec.n_ff_exp,
+    };
+    b.set(&k("feed_forward_length"), &u32v(n_ff));
     b.set(&k("attention.head_count"), &u32v(spec.n_head));
     b.set(&k("attention.head_count_kv"), &u32v(spec.n_head_kv));
-    b.set(&k("attention.key_length"), &u32v(spec.head_dim));
-    b.set(&k("attention.value_length"), &u32v(spec.head_dim));
+    if f.mixer == Mixer::Latent {
+        // Converted MLA files: the cache holds the latent (kv rank) plus the
+        // rotary part; the decompressed head sizes are the _mla keys.
+        b.set(&k("attention.key_length"), &u32v(spec.kv_lora_rank + spec.rope_dim()));
+        b.set(&k("attention.value_length"), &u32v(spec.kv_lora_rank));
+        b.set(&k("attention.key_length_mla"), &u32v(spec.head_dim));
+        b.set(&k("attention.value_length_mla"), &u32v(spec.mla_value_dim()));
+        b.set(&k("attention.q_lora_rank"), &u32v(spec.q_lora_rank));
+        b.set(&k("attention.kv_lora_rank"), &u32v(spec.kv_lora_rank));
+    } else {
+        b.set(&k("attention.key_length"), &u32v(spec.head_dim));
+        b.set(&k("attention.value_length"), &u32v(spec.head_dim));
+    }
     b.set(&k("attention.layer_norm_rms_epsilon"), &Value::F32(1e-6));
-    b.set(&k("rope.freq_base"), &Value::F32(10_000_000.0));
+    b.set(&k("rope.freq_base"), &Value::F32(f.rope_freq_base));
     b.set(&k("rope.dimension_count"), &u32v(spec.rope_dim()));
     b.set(&k("expert_count"), &u32v(spec.n_expert));
     b.set(&k("expert_used_count"), &u32v(spec.n_expert_used));
     b.set(&k("expert_feed_forward_length"), &u32v(spec.n_ff_exp));
-    if spec.arch == Arch::Qwen35Moe {
-        let sections = spec.rope_sections().expect("validated");
-        b.set(&k("rope.dimension_sections"), &Value::Array(Array::I32(sections.to_vec())));
-        b.set(&k("expert_shared_feed_forward_length"), &u32v(spec.n_ff_shexp));
+    if spec.n_layer_dense_lead > 0 {
+        b.set(&k("leading_dense_block_count"), &Value::U32(spec.n_layer_dense_lead));
+    }
+    if spec.n_nextn > 0 {
+        b.set(&k("nextn_predict_layers"), &Value::U32(spec.n_nextn));
+    }
+    match f.shared {
+        Shared::Gated => b.set(&k("expert_shared_feed_forward_length"), &u32v(spec.n_ff_shexp)),
+        Shared::Counted => b.set(&k("expert_shared_count"), &u32v(spec.n_expert_shared)),
+        Shared::None | Shared::DenseMlp => {}
+    }
+    if f.router == Router::SigmoidBias {
+        const GATING_SIGMOID: u32 = 2;
+        b.set(&k("expert_gating_func"), &Value::U32(GATING_SIGMOID));
+        b.set(&k("expert_weights_norm"), &Value::Bool(true));
+        b.set(&k("expert_weights_scale"), &Value::F32(2.5));
+        if spec.expert_groups > 1 {
+            b.set(&k("expert_group_count"), &u32v(spec.expert_groups));
+            b.set(&k("expert_group_used_count"), &u32v(spec.expert_groups_used));
+        }
+    }
+    if f.sliding_window {
+        b.set(&k("attention.sliding_window"), &Value::U32(spec.sliding_window));
+    }
+    if f.arch == Arch::Gemma4 {
+        let swa = (0..spec.n_layer).map(|il| spec.is_swa(il)).collect();
+        b.set(&k("attention.sliding_window_pattern"), &Value::Array(Array::Bool(swa)));
+        b.set(&k("attention.key_length_swa"), &u32v(spec.head_dim));
+        b.set(&k("attention.value_length_swa"), &u32v(spec.head_dim));
+        b.set(&k("rope.dimension_count_swa"), &u32v(spec.rope_dim()));
+        b.set(&k("rope.freq_base_swa"), &Value::F32(10_000.0));
+        b.set(&k("embedding_length_per_layer_input"), &Value::U32(0));
+        b.set(&k("final_logit_softcapping"), &Value::F32(30.0));
+    }
+    if let Mixer::Hybrid(kind) = f.mixer {
         b.set(&k("ssm.conv_kernel"), &u32v(spec.conv_kernel));
         b.set(&k("ssm.state_size"), &u32v(spec.ssm_head_dim));
         b.set(&k("ssm.group_count"), &u32v(spec.ssm_k_heads));
         b.set(&k("ssm.time_step_rank"), &u32v(spec.ssm_v_heads));
         b.set(&k("ssm.inner_size"), &u32v(spec.ssm_value_dim()));
         b.set(&k("full_attention_interval"), &Value::U32(spec.full_attention_interval));
-        let recurrent = (0..spec.n_layer).map(|il| spec.is_recurrent(il)).collect();
-        b.set(&k("attention.recurrent_layers"), &Value::Array(Array::Bool(recurrent)));
+        if kind == Recurrent::Qwen35 {
+            let sections = spec.rope_sections().expect("validated");
+            b.set(&k("rope.dimension_sections"), &Value::Array(Array::I32(sections.to_vec())));
+            let recurrent = (0..spec.n_layer).map(|il| spec.is_recurrent(il)).collect();
+            b.set(&k("attention.recurrent_layers"), &Value::Array(Array::Bool(recurrent)));
+        }
     }
     copy_tokenizer(spec, &opts.vocab_file, b)
 }

@@ -4,29 +4,254 @@
 use crate::error::{Error, Result};
 use crate::ggml::GgmlType;
 
-/// Architectures the generator writes.
+/// Architectures the generator writes: one [`Family`] description each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
     /// Qwen3.5 MoE: hybrid linear-attention (SSM) / full-attention layers, shared expert.
     Qwen35Moe,
     /// Qwen3 MoE: full attention in every layer, no shared expert.
     Qwen3Moe,
+    /// Qwen3-Next: Qwen3.5's hybrid layout with its own linear-attention tensors.
+    Qwen3Next,
+    /// gpt-oss: sliding-window attention with sinks, biased router and experts.
+    GptOss,
+    /// DeepSeek V2/V3: multi-head latent attention, leading dense layers,
+    /// shared experts, sigmoid routing in expert groups with `exp_probs_b`.
+    DeepSeek2,
+    /// GLM-4.5: biased q/k/v, a dense first layer, shared expert, sigmoid
+    /// routing with `exp_probs_b`, and a NextN (multi-token prediction) block.
+    Glm4Moe,
+    /// Gemma 4 MoE (26B-A4B): a dense MLP beside fused gate/up experts with a
+    /// per-expert down scale, sliding-window layers.
+    Gemma4,
+    /// Mixtral: Llama with 8 experts, top-2.
+    Llama,
 }
 
+/// How a family attends.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mixer {
+    /// Grouped-query attention in every layer.
+    Attention,
+    /// Linear attention (gated delta net) with full attention every
+    /// `full_attention_interval` layers; the tensors are Qwen3.5's or Qwen3-Next's.
+    Hybrid(Recurrent),
+    /// DeepSeek's multi-head latent attention (split k_b/v_b, as converted today).
+    Latent,
+}
+
+/// The two linear-attention tensor layouts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Recurrent {
+    /// `ssm_beta`, `ssm_alpha` (Qwen3.5).
+    Qwen35,
+    /// `ssm_ba` (Qwen3-Next).
+    Qwen3Next,
+}
+
+/// What a family has besides the routed experts in an MoE layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shared {
+    None,
+    /// One shared expert of `n_ff_shexp` behind a sigmoid gate (`ffn_gate_inp_shexp`).
+    Gated,
+    /// `expert_shared_count` shared experts of the routed width, fused into one.
+    Counted,
+    /// A dense MLP of `feed_forward_length` beside the experts (Gemma 4).
+    DenseMlp,
+}
+
+/// How the router scores experts, as far as the file is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Router {
+    /// Softmax over `ffn_gate_inp` logits.
+    Softmax,
+    /// Softmax with a router bias (`ffn_gate_inp.bias`, gpt-oss).
+    SoftmaxBias,
+    /// Sigmoid scores with a selection bias `exp_probs_b`, normalized and scaled
+    /// (`expert_gating_func` 2); in groups where `expert_group_count` > 1.
+    SigmoidBias,
+    /// Softmax of the normed input scaled per channel (`ffn_gate_inp.scale`, Gemma 4).
+    ScaledInput,
+}
+
+/// Where the family's FFN input norm sits and which extra norms it has.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Norms {
+    /// `ffn_norm` before the FFN.
+    FfnNorm,
+    /// `post_attention_norm` before the FFN.
+    PostAttention,
+    /// Gemma 4's sandwich: post-attention, pre/post FFN and per-branch norms.
+    Gemma,
+}
+
+/// One architecture family: everything the generator writes differently for
+/// it. The plan and the metadata are derived from these fields alone.
+#[derive(Clone, Copy, Debug)]
+pub struct Family {
+    pub arch: Arch,
+    /// `general.architecture`.
+    pub name: &'static str,
+    /// Real models of the family, for the docs.
+    pub models: &'static str,
+    pub mixer: Mixer,
+    /// The query projection is twice as wide: a gate for the attention output.
+    pub gated_query: bool,
+    pub qk_norm: bool,
+    pub qkv_bias: bool,
+    pub out_bias: bool,
+    /// Per-head attention sinks.
+    pub sinks: bool,
+    /// Sliding-window attention layers (with the window in the metadata).
+    pub sliding_window: bool,
+    pub norms: Norms,
+    pub router: Router,
+    pub shared: Shared,
+    /// Per-expert biases on gate, up and down.
+    pub expert_bias: bool,
+    /// A per-expert scale on the down projection.
+    pub down_scale: bool,
+    /// Gate and up experts are written fused by default.
+    pub fused_by_default: bool,
+    /// The loader accepts fused gate/up experts.
+    pub fused_allowed: bool,
+    /// Leading layers with a dense FFN instead of experts.
+    pub dense_lead: u32,
+    /// NextN (multi-token prediction) blocks after the last layer.
+    pub nextn: u32,
+    /// Rotary dimensions as a fraction of the head: 1/`rope_divisor`.
+    pub rope_divisor: i64,
+    pub rope_freq_base: f32,
+    /// Experts and top-k the family always has (Mixtral's 8, top-2); None keeps the preset's.
+    pub experts: Option<(i64, i64)>,
+}
+
+const BASE: Family = Family {
+    arch: Arch::Qwen3Moe,
+    name: "qwen3moe",
+    models: "",
+    mixer: Mixer::Attention,
+    gated_query: false,
+    qk_norm: false,
+    qkv_bias: false,
+    out_bias: false,
+    sinks: false,
+    sliding_window: false,
+    norms: Norms::FfnNorm,
+    router: Router::Softmax,
+    shared: Shared::None,
+    expert_bias: false,
+    down_scale: false,
+    fused_by_default: false,
+    fused_allowed: true,
+    dense_lead: 0,
+    nextn: 0,
+    rope_divisor: 1,
+    rope_freq_base: 1_000_000.0,
+    experts: None,
+};
+
+/// Every family the generator writes, in the order the docs list them.
+pub const FAMILIES: &[Family] = &[
+    Family {
+        arch: Arch::Qwen35Moe,
+        name: "qwen35moe",
+        models: "Qwen3.5-35B-A3B, MiniCPM-V-4.7-35B-A3B",
+        mixer: Mixer::Hybrid(Recurrent::Qwen35),
+        gated_query: true,
+        qk_norm: true,
+        norms: Norms::PostAttention,
+        shared: Shared::Gated,
+        rope_divisor: 4,
+        rope_freq_base: 10_000_000.0,
+        ..BASE
+    },
+    Family { arch: Arch::Qwen3Moe, name: "qwen3moe", models: "Qwen3-30B-A3B, Qwen3-235B-A22B", qk_norm: true, fused_allowed: false, ..BASE },
+    Family {
+        arch: Arch::Qwen3Next,
+        name: "qwen3next",
+        models: "Qwen3-Next-80B-A3B",
+        mixer: Mixer::Hybrid(Recurrent::Qwen3Next),
+        gated_query: true,
+        qk_norm: true,
+        norms: Norms::PostAttention,
+        shared: Shared::Gated,
+        rope_divisor: 4,
+        ..BASE
+    },
+    Family {
+        arch: Arch::GptOss,
+        name: "gpt-oss",
+        models: "gpt-oss-20b, gpt-oss-120b",
+        qkv_bias: true,
+        out_bias: true,
+        sinks: true,
+        sliding_window: true,
+        norms: Norms::PostAttention,
+        router: Router::SoftmaxBias,
+        expert_bias: true,
+        fused_allowed: false,
+        rope_freq_base: 150_000.0,
+        ..BASE
+    },
+    Family {
+        arch: Arch::DeepSeek2,
+        name: "deepseek2",
+        models: "DeepSeek-V3, DeepSeek-R1, Kimi-K2",
+        mixer: Mixer::Latent,
+        router: Router::SigmoidBias,
+        shared: Shared::Counted,
+        dense_lead: 1,
+        rope_freq_base: 10_000.0,
+        ..BASE
+    },
+    Family {
+        arch: Arch::Glm4Moe,
+        name: "glm4moe",
+        models: "GLM-4.5, GLM-4.5-Air, GLM-4.6",
+        qkv_bias: true,
+        norms: Norms::PostAttention,
+        router: Router::SigmoidBias,
+        shared: Shared::Counted,
+        fused_allowed: false,
+        dense_lead: 1,
+        nextn: 1,
+        rope_divisor: 2,
+        ..BASE
+    },
+    Family {
+        arch: Arch::Gemma4,
+        name: "gemma4",
+        models: "Gemma-4-26B-A4B",
+        qk_norm: true,
+        sliding_window: true,
+        norms: Norms::Gemma,
+        router: Router::ScaledInput,
+        shared: Shared::DenseMlp,
+        down_scale: true,
+        fused_by_default: true,
+        rope_freq_base: 1_000_000.0,
+        ..BASE
+    },
+    Family { arch: Arch::Llama, name: "llama", models: "Mixtral-8x7B, Mixtral-8x22B", fused_allowed: false, experts: Some((8, 2)), ..BASE },
+];
+
 impl Arch {
+    /// This architecture's description.
+    pub fn family(self) -> &'static Family {
+        FAMILIES.iter().find(|f| f.arch == self).expect("every Arch has a family")
+    }
+
     pub fn name(self) -> &'static str {
-        match self {
-            Arch::Qwen35Moe => "qwen35moe",
-            Arch::Qwen3Moe => "qwen3moe",
-        }
+        self.family().name
     }
 
     pub fn from_name(s: &str) -> Result<Arch> {
-        match s {
-            "qwen35moe" => Ok(Arch::Qwen35Moe),
-            "qwen3moe" => Ok(Arch::Qwen3Moe),
-            other => Err(Error::invalid(format!("unknown architecture '{other}' (known: qwen35moe, qwen3moe)"))),
-        }
+        FAMILIES.iter().find(|f| f.name == s).map(|f| f.arch).ok_or_else(|| {
+            let known: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
+            Error::invalid(format!("unknown architecture '{s}' (known: {})", known.join(", ")))
+        })
     }
 }
 
@@ -43,8 +268,24 @@ pub struct ModelSpec {
     pub n_expert_used: i64,
     /// Width of one routed expert's FFN.
     pub n_ff_exp: i64,
-    /// Width of the shared expert's FFN (qwen35moe only; 0 for none).
+    /// Width of the shared expert's FFN (`Shared::Gated`; 0 for none).
     pub n_ff_shexp: i64,
+    /// Width of a dense FFN: leading dense layers, Gemma 4's MLP.
+    pub n_ff_dense: i64,
+    /// Shared experts of the routed width (`Shared::Counted`).
+    pub n_expert_shared: i64,
+    /// Leading layers with a dense FFN.
+    pub n_layer_dense_lead: u32,
+    /// Expert groups for grouped routing (1: none) and groups used per token.
+    pub expert_groups: i64,
+    pub expert_groups_used: i64,
+    /// NextN blocks after the last layer (skipped by llama.cpp unless MTP drafting).
+    pub n_nextn: u32,
+    /// Latent attention: query and key-value compression ranks.
+    pub q_lora_rank: i64,
+    pub kv_lora_rank: i64,
+    /// Sliding-window attention's window (families with `sliding_window`).
+    pub sliding_window: u32,
     pub n_vocab: usize,
     /// Linear attention: key heads (`ssm.group_count`).
     pub ssm_k_heads: i64,
@@ -53,7 +294,7 @@ pub struct ModelSpec {
     /// Linear attention: head dimension (`ssm.state_size`).
     pub ssm_head_dim: i64,
     pub conv_kernel: i64,
-    /// Layer i is full attention iff (i + 1) % interval == 0 (qwen35moe).
+    /// Layer i is full attention iff (i + 1) % interval == 0 (hybrid families).
     pub full_attention_interval: u32,
     /// Write gate and up experts as one `ffn_gate_up_exps` tensor.
     pub fused_gate_up: bool,
@@ -74,32 +315,41 @@ impl ModelSpec {
     /// A named preset: `tiny` (tens of MB, for tests) or `35b-a3b` (the
     /// geometry of Qwen3.5-35B-A3B / MiniCPM-V-4.7-35B-A3B).
     pub fn preset(name: &str) -> Result<ModelSpec> {
+        let tiny = ModelSpec {
+            arch: Arch::Qwen35Moe,
+            n_layer: 8,
+            n_embd: 256,
+            n_head: 4,
+            n_head_kv: 2,
+            head_dim: 64,
+            n_expert: 16,
+            n_expert_used: 4,
+            n_ff_exp: 256,
+            n_ff_shexp: 256,
+            n_ff_dense: 512,
+            n_expert_shared: 1,
+            n_layer_dense_lead: 0,
+            expert_groups: 1,
+            expert_groups_used: 1,
+            n_nextn: 0,
+            q_lora_rank: 128,
+            kv_lora_rank: 128,
+            sliding_window: 64,
+            n_vocab: 151_936,
+            ssm_k_heads: 2,
+            ssm_v_heads: 4,
+            ssm_head_dim: 64,
+            conv_kernel: 4,
+            full_attention_interval: 4,
+            fused_gate_up: false,
+            context_length: 4096,
+            expert_type: None,
+            router_skew: 2.0,
+            seed: 1,
+        };
         match name {
-            "tiny" => Ok(ModelSpec {
-                arch: Arch::Qwen35Moe,
-                n_layer: 8,
-                n_embd: 256,
-                n_head: 4,
-                n_head_kv: 2,
-                head_dim: 64,
-                n_expert: 16,
-                n_expert_used: 4,
-                n_ff_exp: 256,
-                n_ff_shexp: 256,
-                n_vocab: 151_936,
-                ssm_k_heads: 2,
-                ssm_v_heads: 4,
-                ssm_head_dim: 64,
-                conv_kernel: 4,
-                full_attention_interval: 4,
-                fused_gate_up: false,
-                context_length: 4096,
-                expert_type: None,
-                router_skew: 2.0,
-                seed: 1,
-            }),
+            "tiny" => Ok(tiny),
             "35b-a3b" => Ok(ModelSpec {
-                arch: Arch::Qwen35Moe,
                 n_layer: 40,
                 n_embd: 2048,
                 n_head: 16,
@@ -113,21 +363,68 @@ impl ModelSpec {
                 ssm_k_heads: 16,
                 ssm_v_heads: 32,
                 ssm_head_dim: 128,
-                conv_kernel: 4,
-                full_attention_interval: 4,
-                fused_gate_up: false,
                 context_length: 262_144,
-                expert_type: None,
-                router_skew: 2.0,
-                seed: 1,
+                ..tiny
             }),
             other => Err(Error::invalid(format!("unknown preset '{other}' (known: {})", PRESETS.join(", ")))),
         }
     }
 
+    pub fn family(&self) -> &'static Family {
+        self.arch.family()
+    }
+
+    /// Turns this geometry into `arch`'s: its default experts and top-k, its
+    /// shared expert, dense leading layers, NextN blocks, fused experts and
+    /// head layout (latent attention's heads are wider). Explicit options are
+    /// applied after this.
+    pub fn set_arch(&mut self, arch: Arch) {
+        let f = arch.family();
+        self.arch = arch;
+        if let Some((n, k)) = f.experts {
+            (self.n_expert, self.n_expert_used) = (n, k);
+        }
+        if f.shared != Shared::Gated {
+            self.n_ff_shexp = 0;
+        }
+        self.n_layer_dense_lead = f.dense_lead;
+        self.n_nextn = f.nextn;
+        self.fused_gate_up = f.fused_by_default;
+        self.full_attention_interval = self.full_attention_interval.min(self.n_layer);
+        if f.mixer == Mixer::Latent {
+            // DeepSeek-V3's query-key head (nope + rope) with values of the
+            // nope width, scaled down; one latent KV head, as converted files have.
+            self.head_dim = 96;
+            self.n_head_kv = 1;
+        }
+        if arch == Arch::Llama {
+            self.head_dim = self.n_embd / self.n_head;
+            self.n_head_kv = self.n_head_kv.min(self.n_head);
+        }
+        // DeepSeek-V3 routes within 8 groups of which 4 are used; here 4 and 2.
+        if arch == Arch::DeepSeek2 {
+            self.expert_groups = 4;
+            self.expert_groups_used = 2;
+        } else {
+            self.expert_groups = 1;
+            self.expert_groups_used = 1;
+        }
+    }
+
+    /// Layers in the file: the trunk plus NextN blocks.
+    pub fn n_block(&self) -> u32 {
+        self.n_layer + self.n_nextn
+    }
+
+    /// True if layer `il` has routed experts (not a leading dense layer).
+    pub fn is_moe(&self, il: u32) -> bool {
+        il >= self.n_layer_dense_lead
+    }
+
     /// Checks the constraints llama.cpp's loader and graph place on the geometry.
     pub fn validate(&self) -> Result<()> {
         let bad = |what: String| Err(Error::invalid(format!("invalid model geometry: {what}")));
+        let f = self.family();
         let positive = [
             ("layers", self.n_layer as i64),
             ("n_embd", self.n_embd),
@@ -144,8 +441,8 @@ impl ModelSpec {
                 return bad(format!("{name} must be positive, got {v}"));
             }
         }
-        if self.n_layer > 512 {
-            return bad(format!("{} layers is more than 512", self.n_layer));
+        if self.n_block() > 512 {
+            return bad(format!("{} layers is more than 512", self.n_block()));
         }
         if self.n_expert > 512 || self.n_expert_used > self.n_expert {
             return bad(format!("top-k {} of {} experts (at most 512 experts, top-k ≤ experts)", self.n_expert_used, self.n_expert));
@@ -161,8 +458,32 @@ impl ModelSpec {
         if self.n_ff_shexp < 0 || self.n_ff_shexp % 32 != 0 {
             return bad(format!("shared expert FFN {} must be 0 or a positive multiple of 32", self.n_ff_shexp));
         }
-        if self.arch == Arch::Qwen35Moe {
-            if self.rope_sections().is_none() {
+        match (f.shared, self.n_ff_shexp) {
+            (Shared::Gated, 0) => return bad(format!("{} needs a shared expert (shared FFN > 0)", f.name)),
+            (Shared::Gated, _) | (_, 0) => {}
+            _ => return bad(format!("{} has no gated shared expert of its own width (use --shared-ff 0)", f.name)),
+        }
+        if self.fused_gate_up && !f.fused_allowed {
+            return bad(format!("{}'s loader does not accept fused gate/up experts", f.name));
+        }
+        if self.n_layer_dense_lead >= self.n_layer {
+            return bad(format!("{} leading dense layers leave no MoE layer of {}", self.n_layer_dense_lead, self.n_layer));
+        }
+        if self.n_ff_dense <= 0 || self.n_ff_dense % 32 != 0 {
+            return bad(format!("dense FFN {} must be a positive multiple of 32", self.n_ff_dense));
+        }
+        if self.expert_groups > 1
+            && (self.n_expert % self.expert_groups != 0
+                || self.expert_groups_used >= self.expert_groups
+                || self.expert_groups_used * (self.n_expert / self.expert_groups) < self.n_expert_used)
+        {
+            return bad(format!(
+                "{} expert groups with {} used cannot pick top-{} of {} experts",
+                self.expert_groups, self.expert_groups_used, self.n_expert_used, self.n_expert
+            ));
+        }
+        if let Mixer::Hybrid(_) = f.mixer {
+            if f.arch == Arch::Qwen35Moe && self.rope_sections().is_none() {
                 return bad(format!("head dim {} too small for 4 rope sections", self.head_dim));
             }
             if self.ssm_k_heads <= 0 || self.ssm_v_heads % self.ssm_k_heads != 0 {
@@ -178,16 +499,21 @@ impl ModelSpec {
                     self.full_attention_interval, self.n_layer, self.n_layer
                 ));
             }
-            if self.n_ff_shexp == 0 {
-                return bad("qwen35moe needs a shared expert (shared FFN > 0)".into());
+        }
+        if f.mixer == Mixer::Latent {
+            let (nope, v) = (self.head_dim - self.rope_dim(), self.mla_value_dim());
+            if nope <= 0 || nope % 32 != 0 || v % 32 != 0 || self.q_lora_rank % 32 != 0 || self.kv_lora_rank % 32 != 0 {
+                return bad(format!(
+                    "latent attention head {} (rope {}, value {v}) and ranks {}/{} must give multiples of 32",
+                    self.head_dim,
+                    self.rope_dim(),
+                    self.q_lora_rank,
+                    self.kv_lora_rank
+                ));
             }
-        } else {
-            if self.n_ff_shexp != 0 {
-                return bad("qwen3moe has no shared expert (use --shared-ff 0)".into());
-            }
-            if self.fused_gate_up {
-                return bad("qwen3moe's loader does not accept fused gate/up experts".into());
-            }
+        }
+        if f.arch == Arch::Llama && self.head_dim * self.n_head != self.n_embd {
+            return bad(format!("llama's head dim must be n_embd / heads = {}", self.n_embd / self.n_head));
         }
         if !(self.router_skew.is_finite() && (0.0..=16.0).contains(&self.router_skew)) {
             return bad(format!("router skew {} is outside 0..=16", self.router_skew));
@@ -205,18 +531,33 @@ impl ModelSpec {
         Ok(())
     }
 
-    /// True if layer `il` is linear attention (qwen35moe's recurrent layers).
+    /// True if layer `il` is linear attention (the hybrid families' recurrent layers).
     pub fn is_recurrent(&self, il: u32) -> bool {
-        self.arch == Arch::Qwen35Moe && (il + 1) % self.full_attention_interval != 0
+        matches!(self.family().mixer, Mixer::Hybrid(_)) && il < self.n_layer && (il + 1) % self.full_attention_interval != 0
     }
 
-    /// Rotary dimensions: a quarter of the head, as in the real model.
-    pub fn rope_dim(&self) -> i64 {
-        if self.arch == Arch::Qwen35Moe {
-            self.head_dim / 4
-        } else {
-            self.head_dim
+    /// True if layer `il` uses sliding-window attention: gpt-oss alternates
+    /// from the first layer; Gemma 4 has one full layer in every 4 here.
+    pub fn is_swa(&self, il: u32) -> bool {
+        match self.arch {
+            Arch::GptOss => il % 2 == 0,
+            Arch::Gemma4 => (il + 1) % 4 != 0,
+            _ => false,
         }
+    }
+
+    /// Rotary dimensions: the family's fraction of the head (latent attention: a third).
+    pub fn rope_dim(&self) -> i64 {
+        if self.family().mixer == Mixer::Latent {
+            self.head_dim / 3
+        } else {
+            self.head_dim / self.family().rope_divisor
+        }
+    }
+
+    /// Latent attention's value head: the non-rotary part of the key head.
+    pub fn mla_value_dim(&self) -> i64 {
+        self.head_dim - self.rope_dim()
     }
 
     /// IMRoPE sections summing to rope_dim / 2 in the converter's 11:11:10 ratio.
@@ -290,6 +631,7 @@ fn kquant_or_fallback(k: GgmlType, n: i64) -> GgmlType {
 impl ModelSpec {
     /// Every tensor of the model, in file order, with its type and fill.
     pub fn plan(&self) -> Vec<PlannedTensor> {
+        let f = self.family();
         let e = self.n_embd;
         let mut out = Vec::new();
         let mut add = |name: String, ty: GgmlType, ne: Vec<i64>, fill: Fill| {
@@ -300,6 +642,8 @@ impl ModelSpec {
         // Projections that write into the residual stream are scaled down so the
         // embedding's shared direction (what routers key on) survives depth.
         let residual = |fan_in: i64| Fill::Dense { std: 0.15 / (fan_in as f32).sqrt() };
+        let bias = Fill::Dense { std: 0.02 };
+        let one = Fill::Const(1.0);
         let v = self.n_vocab as i64;
         let (q4k, q5k, q6k, f32t) = (GgmlType::Q4_K, GgmlType::Q5_K, GgmlType::Q6_K, GgmlType::F32);
         // llama-quant counts attn_v and attn_qkv tensors together (one per layer
@@ -307,69 +651,132 @@ impl ModelSpec {
         let mut attn_v_index = 0u32;
 
         add("token_embd.weight".into(), q4k, vec![e, v], Fill::Embedding { std: 1.0, u_gain: 1.0 });
-        for il in 0..self.n_layer {
+        if f.norms == Norms::Gemma {
+            // Proportional rope of the full-attention layers: one shared tensor.
+            add("rope_freqs.weight".into(), f32t, vec![self.head_dim / 2], one.clone());
+        }
+        for il in 0..self.n_block() {
             let blk = |n: &str| format!("blk.{il}.{n}");
             let more = if self.use_more_bits(il) { q6k } else { q4k };
             let mut attn_v_type = || {
                 attn_v_index += 1;
                 if self.use_more_bits(attn_v_index - 1) { q6k } else { q4k }
             };
-            add(blk("attn_norm.weight"), f32t, vec![e], Fill::Const(1.0));
+            add(blk("attn_norm.weight"), f32t, vec![e], one.clone());
             let (hd, h, hkv) = (self.head_dim, self.n_head, self.n_head_kv);
-            match self.arch {
-                Arch::Qwen35Moe => {
-                    add(blk("post_attention_norm.weight"), f32t, vec![e], Fill::Const(1.0));
-                    if self.is_recurrent(il) {
-                        let (conv, vd, r) = (self.ssm_conv_dim(), self.ssm_value_dim(), self.ssm_v_heads);
-                        add(blk("attn_qkv.weight"), q5k, vec![e, conv], dense(e));
-                        add(blk("attn_gate.weight"), q4k, vec![e, vd], dense(e));
-                        add(blk("ssm_conv1d.weight"), f32t, vec![self.conv_kernel, conv], Fill::Dense { std: 0.5 });
-                        add(blk("ssm_dt.bias"), f32t, vec![r], Fill::Uniform(-1.0, 1.0));
-                        // ssm_a holds A = -exp(A_log); decays stay in (0, 1).
-                        add(blk("ssm_a"), f32t, vec![r], Fill::Uniform(-8.0, -1.0));
-                        add(blk("ssm_beta.weight"), q4k, vec![e, r], dense(e));
-                        add(blk("ssm_alpha.weight"), q4k, vec![e, r], dense(e));
-                        add(blk("ssm_norm.weight"), f32t, vec![self.ssm_head_dim], Fill::Const(1.0));
-                        add(blk("ssm_out.weight"), q4k, vec![vd, e], residual(vd));
-                    } else {
-                        add(blk("attn_q.weight"), q4k, vec![e, 2 * h * hd], dense(e));
-                        add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], dense(e));
-                        add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], dense(e));
-                        add(blk("attn_output.weight"), q4k, vec![h * hd, e], residual(h * hd));
-                        add(blk("attn_q_norm.weight"), f32t, vec![hd], Fill::Const(1.0));
-                        add(blk("attn_k_norm.weight"), f32t, vec![hd], Fill::Const(1.0));
-                    }
+            if self.is_recurrent(il) {
+                let (conv, vd, r) = (self.ssm_conv_dim(), self.ssm_value_dim(), self.ssm_v_heads);
+                add(blk("attn_qkv.weight"), q5k, vec![e, conv], dense(e));
+                add(blk("attn_gate.weight"), q4k, vec![e, vd], dense(e));
+                add(blk("ssm_conv1d.weight"), f32t, vec![self.conv_kernel, conv], Fill::Dense { std: 0.5 });
+                add(blk("ssm_dt.bias"), f32t, vec![r], Fill::Uniform(-1.0, 1.0));
+                // ssm_a holds A = -exp(A_log); decays stay in (0, 1).
+                add(blk("ssm_a"), f32t, vec![r], Fill::Uniform(-8.0, -1.0));
+                if f.mixer == Mixer::Hybrid(Recurrent::Qwen3Next) {
+                    add(blk("ssm_ba.weight"), q4k, vec![e, 2 * r], dense(e));
+                } else {
+                    add(blk("ssm_beta.weight"), q4k, vec![e, r], dense(e));
+                    add(blk("ssm_alpha.weight"), q4k, vec![e, r], dense(e));
                 }
-                Arch::Qwen3Moe => {
-                    add(blk("attn_q.weight"), q4k, vec![e, h * hd], dense(e));
-                    add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], dense(e));
-                    add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], dense(e));
-                    add(blk("attn_output.weight"), q4k, vec![h * hd, e], residual(h * hd));
-                    add(blk("attn_q_norm.weight"), f32t, vec![hd], Fill::Const(1.0));
-                    add(blk("attn_k_norm.weight"), f32t, vec![hd], Fill::Const(1.0));
-                    add(blk("ffn_norm.weight"), f32t, vec![e], Fill::Const(1.0));
+                add(blk("ssm_norm.weight"), f32t, vec![self.ssm_head_dim], one.clone());
+                add(blk("ssm_out.weight"), q4k, vec![vd, e], residual(vd));
+            } else if f.mixer == Mixer::Latent {
+                let (rope, vdim, ql, kvl) = (self.rope_dim(), self.mla_value_dim(), self.q_lora_rank, self.kv_lora_rank);
+                let nope = hd - rope;
+                add(blk("attn_q_a_norm.weight"), f32t, vec![ql], one.clone());
+                add(blk("attn_kv_a_norm.weight"), f32t, vec![kvl], one.clone());
+                add(blk("attn_q_a.weight"), q4k, vec![e, ql], dense(e));
+                add(blk("attn_q_b.weight"), q4k, vec![ql, h * hd], dense(ql));
+                add(blk("attn_kv_a_mqa.weight"), q4k, vec![e, kvl + rope], dense(e));
+                add(blk("attn_k_b.weight"), GgmlType::Q8_0, vec![nope, kvl, h], dense(nope));
+                add(blk("attn_v_b.weight"), attn_v_type(), vec![kvl, vdim, h], dense(kvl));
+                add(blk("attn_output.weight"), q4k, vec![h * vdim, e], residual(h * vdim));
+            } else {
+                let q_width = if f.gated_query { 2 * h * hd } else { h * hd };
+                add(blk("attn_q.weight"), q4k, vec![e, q_width], dense(e));
+                add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], dense(e));
+                add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], dense(e));
+                if f.qkv_bias {
+                    add(blk("attn_q.bias"), f32t, vec![q_width], bias.clone());
+                    add(blk("attn_k.bias"), f32t, vec![hkv * hd], bias.clone());
+                    add(blk("attn_v.bias"), f32t, vec![hkv * hd], bias.clone());
+                }
+                add(blk("attn_output.weight"), q4k, vec![h * hd, e], residual(h * hd));
+                if f.out_bias {
+                    add(blk("attn_output.bias"), f32t, vec![e], bias.clone());
+                }
+                if f.qk_norm {
+                    add(blk("attn_q_norm.weight"), f32t, vec![hd], one.clone());
+                    add(blk("attn_k_norm.weight"), f32t, vec![hd], one.clone());
+                }
+                if f.sinks {
+                    add(blk("attn_sinks.weight"), f32t, vec![h], Fill::Uniform(-1.0, 1.0));
                 }
             }
-            let (x, f) = (self.n_expert, self.n_ff_exp);
+            match f.norms {
+                Norms::FfnNorm => add(blk("ffn_norm.weight"), f32t, vec![e], one.clone()),
+                Norms::PostAttention => add(blk("post_attention_norm.weight"), f32t, vec![e], one.clone()),
+                Norms::Gemma => {
+                    for n in ["post_attention_norm", "ffn_norm", "post_ffw_norm", "pre_ffw_norm_2", "post_ffw_norm_1", "post_ffw_norm_2"] {
+                        add(blk(&format!("{n}.weight")), f32t, vec![e], one.clone());
+                    }
+                }
+            }
+            let fd = self.n_ff_dense;
+            if !self.is_moe(il) || f.shared == Shared::DenseMlp {
+                add(blk("ffn_gate.weight"), q4k, vec![e, fd], dense(e));
+                add(blk("ffn_up.weight"), q4k, vec![e, fd], dense(e));
+                add(blk("ffn_down.weight"), more, vec![fd, e], residual(fd));
+            }
+            if !self.is_moe(il) {
+                continue;
+            }
+            let (x, ff) = (self.n_expert, self.n_ff_exp);
             add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il });
+            match f.router {
+                Router::Softmax => {}
+                Router::SoftmaxBias => add(blk("ffn_gate_inp.bias"), f32t, vec![x], bias.clone()),
+                Router::SigmoidBias => add(blk("exp_probs_b.bias"), f32t, vec![x], Fill::Uniform(0.0, 0.1)),
+                Router::ScaledInput => add(blk("ffn_gate_inp.scale"), f32t, vec![e], one.clone()),
+            }
             let gate_up_ty = self.expert_type.unwrap_or(q4k);
             let down_ty = self.expert_type.unwrap_or(more);
             if self.fused_gate_up {
-                add(blk("ffn_gate_up_exps.weight"), gate_up_ty, vec![e, 2 * f, x], dense(e));
+                add(blk("ffn_gate_up_exps.weight"), gate_up_ty, vec![e, 2 * ff, x], dense(e));
             } else {
-                add(blk("ffn_gate_exps.weight"), gate_up_ty, vec![e, f, x], dense(e));
-                add(blk("ffn_up_exps.weight"), gate_up_ty, vec![e, f, x], dense(e));
+                add(blk("ffn_gate_exps.weight"), gate_up_ty, vec![e, ff, x], dense(e));
+                add(blk("ffn_up_exps.weight"), gate_up_ty, vec![e, ff, x], dense(e));
             }
-            add(blk("ffn_down_exps.weight"), down_ty, vec![f, e, x], residual(f));
-            if self.n_ff_shexp > 0 {
-                let fs = self.n_ff_shexp;
-                add(blk("ffn_gate_inp_shexp.weight"), f32t, vec![e], dense(e));
+            add(blk("ffn_down_exps.weight"), down_ty, vec![ff, e, x], residual(ff));
+            if f.expert_bias {
+                add(blk("ffn_gate_exps.bias"), f32t, vec![ff, x], bias.clone());
+                add(blk("ffn_up_exps.bias"), f32t, vec![ff, x], bias.clone());
+                add(blk("ffn_down_exps.bias"), f32t, vec![e, x], bias.clone());
+            }
+            if f.down_scale {
+                add(blk("ffn_down_exps.scale"), f32t, vec![x], Fill::Uniform(0.5, 1.5));
+            }
+            let fs = match f.shared {
+                Shared::Gated => {
+                    add(blk("ffn_gate_inp_shexp.weight"), f32t, vec![e], dense(e));
+                    self.n_ff_shexp
+                }
+                Shared::Counted => ff * self.n_expert_shared,
+                Shared::None | Shared::DenseMlp => 0,
+            };
+            if fs > 0 {
                 add(blk("ffn_gate_shexp.weight"), q4k, vec![e, fs], dense(e));
                 add(blk("ffn_up_shexp.weight"), q4k, vec![e, fs], dense(e));
                 add(blk("ffn_down_shexp.weight"), more, vec![fs, e], residual(fs));
             }
+            if il >= self.n_layer {
+                add(blk("nextn.eh_proj.weight"), q4k, vec![2 * e, e], dense(2 * e));
+                add(blk("nextn.enorm.weight"), f32t, vec![e], one.clone());
+                add(blk("nextn.hnorm.weight"), f32t, vec![e], one.clone());
+                add(blk("nextn.shared_head_norm.weight"), f32t, vec![e], one.clone());
+            }
         }
-        add("output_norm.weight".into(), f32t, vec![e], Fill::Const(1.0));
+        add("output_norm.weight".into(), f32t, vec![e], one);
         add("output.weight".into(), q6k, vec![e, v], dense(e));
         out
     }

@@ -1,6 +1,7 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
 mod badinput;
+mod families;
 mod faults;
 mod genmodel;
 mod inspect;

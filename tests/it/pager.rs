@@ -7,21 +7,21 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const MIB: u64 = 1 << 20;
+pub(crate) const MIB: u64 = 1 << 20;
 
 /// One `sdq eval` run: its JSON answer, final logits and stats.
-struct Eval {
-    json: Value,
-    logits: Vec<f32>,
-    stats: Option<Value>,
+pub(crate) struct Eval {
+    pub json: Value,
+    pub logits: Vec<f32>,
+    pub stats: Option<Value>,
 }
 
 
-fn eval(model: &Path, tag: &str, args: &[&str]) -> Eval {
+pub(crate) fn eval(model: &Path, tag: &str, args: &[&str]) -> Eval {
     eval_env(model, tag, args, &[])
 }
 
-fn eval_env(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> Eval {
+pub(crate) fn eval_env(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> Eval {
     let dir = scratch();
     let logits = dir.join(format!("logits-{tag}.bin"));
     let stats = dir.join(format!("stats-{tag}.json"));
@@ -40,13 +40,13 @@ fn eval_env(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> Eva
     Eval { json, logits, stats }
 }
 
-fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
 /// A prompt of more than 512 tokens, for a full 512-token prompt batch.
-fn long_prompt() -> PathBuf {
+pub(crate) fn long_prompt() -> PathBuf {
     let p = scratch().join("long-prompt.txt");
     let words = "river mill bridge children boats apples letters town sea light stone garden";
     let text: Vec<&str> = words.split(' ').cycle().take(600).collect();
@@ -56,7 +56,7 @@ fn long_prompt() -> PathBuf {
 
 /// Budget for an arena of `arena` bytes, after a probe run told us what the
 /// process holds after load with this configuration.
-fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
+pub(crate) fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
     // Under ASan the memory held after load varies from run to run by a few MiB.
     let slack = if sanitized() { 8 * MIB } else { 0 };
     (u(probe, "rss_anon_after_load_bytes") + reserve + arena + slack).to_string()

@@ -1,0 +1,2 @@
+#include "../tool-entry.h"
+SDQ_TOOL_ENTRY(mtmd_cli)

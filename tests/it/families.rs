@@ -1,0 +1,134 @@
+//! Every MoE family the generator writes, paged against stock llama.cpp with
+//! the same flags: identical greedy tokens and final logits at the minimum
+//! arena, a middle one and one holding every expert.
+
+use crate::pager::{budget_for, eval, max_abs_diff, MIB};
+use crate::util::*;
+use serde_json::Value;
+use std::path::PathBuf;
+
+/// One family's test model: the name of its file, `sdq gen-model` options,
+/// its routed experts per layer and the layers the loader pages (NextN
+/// blocks are skipped unless MTP drafting is asked for).
+struct Case {
+    name: &'static str,
+    args: &'static [&'static str],
+    experts: u64,
+    paged_layers: u64,
+}
+
+const CASES: &[Case] = &[
+    Case { name: "qwen35moe", args: &["--arch", "qwen35moe"], experts: 16, paged_layers: 4 },
+    Case { name: "qwen3moe", args: &["--arch", "qwen3moe"], experts: 16, paged_layers: 4 },
+    Case { name: "qwen3next", args: &["--arch", "qwen3next"], experts: 16, paged_layers: 4 },
+    Case { name: "gpt-oss", args: &["--arch", "gpt-oss"], experts: 16, paged_layers: 4 },
+    Case { name: "gpt-oss-mxfp4", args: &["--arch", "gpt-oss", "--expert-type", "mxfp4"], experts: 16, paged_layers: 4 },
+    // One dense leading layer; grouped sigmoid routing with exp_probs_b.
+    Case { name: "deepseek2", args: &["--arch", "deepseek2"], experts: 16, paged_layers: 3 },
+    Case { name: "deepseek2-fused", args: &["--arch", "deepseek2", "--fused-gate-up"], experts: 16, paged_layers: 3 },
+    // One dense leading layer and a NextN block that llama.cpp skips.
+    Case { name: "glm4moe", args: &["--arch", "glm4moe"], experts: 16, paged_layers: 3 },
+    Case { name: "gemma4", args: &["--arch", "gemma4"], experts: 16, paged_layers: 4 },
+    Case { name: "llama", args: &["--arch", "llama"], experts: 8, paged_layers: 4 },
+];
+
+/// The family's 4-layer model, generated once per run.
+pub fn family_model(name: &str) -> PathBuf {
+    let case = CASES.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no family case {name}"));
+    let file = format!("family-{name}.gguf");
+    let path = scratch().join(&file);
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    if !path.exists() {
+        gen_model(&file, &[case.args, &["--layers", "4", "--seed", "7"]].concat());
+    }
+    path
+}
+
+fn paged_layers(stats: &Value) -> u64 {
+    stats["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "layers")).sum()
+}
+
+fn check_family(case: &Case) {
+    let model = family_model(case.name);
+    let prompt = "The river ran past the old mill, under the stone bridge where children watched the boats";
+    let reserve = 16 * MIB;
+    for (flags, extra) in [("defaults", &[][..]), ("no-repack", &["--no-repack"][..])] {
+        let base = [&["-p", prompt, "-n", "20", "-t", "2", "-c", "512"][..], extra].concat();
+        let stock = eval(&model, &format!("{}-stock-{flags}", case.name), &base);
+        let probe = eval(&model, &format!("{}-probe-{flags}", case.name), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "16M"]].concat());
+        let stats = probe.stats.unwrap();
+        assert_eq!(paged_layers(&stats), case.paged_layers, "{}: paged layers: {stats}", case.name);
+        let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+        let classes = stats["slot_classes"].as_array().unwrap().clone();
+        let all: u64 = classes.iter().map(|c| slot(c) * case.experts * u(c, "layers")).sum();
+        let min: u64 = classes.iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        // --no-repack is checked at the tightest arena only: the layouts are
+        // the same code for every family, the families' graphs are not.
+        let arenas: &[(&str, u64)] = if extra.is_empty() { &[("all", all), ("middle", all / 3), ("minimum", min + MIB)] } else { &[("minimum", min + MIB)] };
+        for &(name, arena) in arenas {
+            let budget = budget_for(&stats, reserve, arena);
+            let what = format!("{}: {name} arena, {flags}", case.name);
+            let run = eval(&model, &format!("{}-{name}-{flags}", case.name), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat());
+            assert_eq!(run.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
+            assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{what}: logits differ");
+            let s = run.stats.as_ref().unwrap();
+            assert!(sanitized() || u(s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
+            if name == "minimum" {
+                assert!(u(s, "misses") > 0, "{what}: a minimum arena must miss: {s}");
+            }
+        }
+    }
+}
+
+macro_rules! family_tests {
+    ($($test:ident => $name:literal),* $(,)?) => {
+        $(
+            #[test]
+            fn $test() {
+                check_family(CASES.iter().find(|c| c.name == $name).unwrap());
+            }
+        )*
+    };
+}
+
+family_tests! {
+    qwen35moe_is_identical_to_stock => "qwen35moe",
+    qwen3moe_is_identical_to_stock => "qwen3moe",
+    qwen3next_is_identical_to_stock => "qwen3next",
+    gpt_oss_is_identical_to_stock => "gpt-oss",
+    gpt_oss_with_mxfp4_experts_is_identical_to_stock => "gpt-oss-mxfp4",
+    deepseek2_is_identical_to_stock => "deepseek2",
+    deepseek2_with_fused_gate_up_is_identical_to_stock => "deepseek2-fused",
+    glm4moe_with_a_nextn_block_is_identical_to_stock => "glm4moe",
+    gemma4_is_identical_to_stock => "gemma4",
+    mixtral_is_identical_to_stock => "llama",
+}
+
+/// The generator writes each family's own metadata and tensor names.
+#[test]
+fn each_family_has_its_own_keys_and_tensors() {
+    let expect: &[(&str, &[&str], &[&str])] = &[
+        ("gpt-oss", &["gpt-oss.attention.sliding_window"], &["blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.ffn_gate_inp.bias"]),
+        (
+            "deepseek2",
+            &["deepseek2.attention.kv_lora_rank", "deepseek2.expert_group_count", "deepseek2.leading_dense_block_count", "deepseek2.expert_shared_count"],
+            &["blk.0.ffn_gate.weight", "blk.1.exp_probs_b.bias", "blk.1.attn_k_b.weight", "blk.1.ffn_down_shexp.weight"],
+        ),
+        ("glm4moe", &["glm4moe.nextn_predict_layers"], &["blk.4.nextn.eh_proj.weight", "blk.4.ffn_down_exps.weight", "blk.1.attn_q.bias"]),
+        ("gemma4", &["gemma4.attention.sliding_window_pattern"], &["blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.scale", "blk.0.ffn_gate_inp.scale", "rope_freqs.weight"]),
+        ("qwen3next", &["qwen3next.ssm.inner_size"], &["blk.0.ssm_ba.weight", "blk.3.attn_q_norm.weight"]),
+        ("llama", &["llama.expert_count"], &["blk.0.ffn_norm.weight", "blk.0.ffn_gate_exps.weight"]),
+    ];
+    for (name, keys, tensors) in expect {
+        let g = sdq::gguf::Gguf::open(&family_model(name)).unwrap();
+        assert_eq!(g.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).as_deref(), Some(*name));
+        for k in keys.iter() {
+            assert!(g.get(k).is_some(), "{name}: no key {k}");
+        }
+        let names: Vec<String> = g.tensors().into_iter().map(|t| t.name).collect();
+        for t in tensors.iter() {
+            assert!(names.iter().any(|n| n == t), "{name}: no tensor {t}");
+        }
+    }
+}
