@@ -19,7 +19,17 @@ fn write(name: &str, bytes: &[u8]) -> PathBuf {
 
 #[test]
 fn broken_model_files_are_one_clear_line() {
-    let tiny_bytes = std::fs::read(tiny()).unwrap();
+    broken_model_files(tiny(), "qwen35moe");
+}
+
+/// The same on gpt-oss's layout (expert biases, sliding-window attention).
+#[test]
+fn broken_gpt_oss_files_are_one_clear_line() {
+    broken_model_files(&crate::families::family_model("gpt-oss"), "gpt-oss");
+}
+
+fn broken_model_files(model: &Path, arch: &str) {
+    let tiny_bytes = std::fs::read(model).unwrap();
     let mut bad_magic = tiny_bytes.clone();
     bad_magic[3] = b'X';
     let mut absurd = b"GGUF".to_vec();
@@ -29,30 +39,30 @@ fn broken_model_files_are_one_clear_line() {
     // The same file with another value for a u32 key (the key's string, its
     // type tag, then the value).
     let with_u32 = |key: &str, value: u32| {
-        let at = tiny_bytes.windows(key.len()).position(|w| w == key.as_bytes()).expect("key in the tiny model") + key.len();
+        let at = tiny_bytes.windows(key.len()).position(|w| w == key.as_bytes()).expect("key in the model") + key.len();
         assert_eq!(tiny_bytes[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
         let mut b = tiny_bytes.clone();
         b[at + 4..at + 8].copy_from_slice(&value.to_le_bytes());
         b
     };
-    let cases: Vec<(PathBuf, &str)> = vec![
-        (write("bad-top-k-0.gguf", &with_u32("qwen35moe.expert_used_count", 0)), "expert_used_count is 0: it must be between 1 and"),
-        (write("bad-top-k-huge.gguf", &with_u32("qwen35moe.expert_used_count", 1 << 30)), "expert_used_count is 1073741824"),
-        (write("bad-expert-count.gguf", &with_u32("qwen35moe.expert_count", 1 << 30)), "experts, but qwen35moe.expert_count is 1073741824"),
-        (write("bad-truncated-header.gguf", &tiny_bytes[..100_000]), "not a valid GGUF file"),
-        (write("bad-truncated-data.gguf", &tiny_bytes[..tiny_bytes.len() - 100_000]), "past the end of the file"),
-        (write("bad-magic.gguf", &bad_magic), "not a GGUF file (starts with \"GGUX\""),
-        (write("bad-absurd-counts.gguf", &absurd), "not a valid GGUF file"),
-        (write("bad-empty.gguf", b""), "too short for a GGUF file"),
-        (scratch(), "not a regular file"),
-        (PathBuf::from("/nonexistent/model.gguf"), "No such file or directory"),
+    let cases: Vec<(PathBuf, String)> = vec![
+        (write(&format!("{arch}-bad-top-k-0.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 0)), "expert_used_count is 0: it must be between 1 and".to_string()),
+        (write(&format!("{arch}-bad-top-k-huge.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 1 << 30)), "expert_used_count is 1073741824".to_string()),
+        (write(&format!("{arch}-bad-expert-count.gguf"), &with_u32(&format!("{arch}.expert_count"), 1 << 30)), format!("experts, but {arch}.expert_count is 1073741824")),
+        (write(&format!("{arch}-bad-truncated-header.gguf"), &tiny_bytes[..100_000]), "not a valid GGUF file".to_string()),
+        (write(&format!("{arch}-bad-truncated-data.gguf"), &tiny_bytes[..tiny_bytes.len() - 100_000]), "past the end of the file".to_string()),
+        (write(&format!("{arch}-bad-magic.gguf"), &bad_magic), "not a GGUF file (starts with \"GGUX\"".to_string()),
+        (write(&format!("{arch}-bad-absurd-counts.gguf"), &absurd), "not a valid GGUF file".to_string()),
+        (write(&format!("{arch}-bad-empty.gguf"), b""), "too short for a GGUF file".to_string()),
+        (scratch(), "not a regular file".to_string()),
+        (PathBuf::from("/nonexistent/model.gguf"), "No such file or directory".to_string()),
     ];
     for (path, needle) in cases {
         let o = completion_with_budget(&path);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{}: {}\n{err}", path.display(), o.status);
         let last = err.lines().last().unwrap_or("");
-        assert!(last.contains(&path.display().to_string()) && last.contains(needle), "{}: {err}", path.display());
+        assert!(last.contains(&path.display().to_string()) && last.contains(&needle), "{}: {err}", path.display());
         assert!(!err.contains("panicked") && stdout(&o).is_empty(), "{}: {err}", path.display());
     }
 }

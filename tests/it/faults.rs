@@ -59,28 +59,48 @@ fn wait_for_stats(stats: &Path, child: &mut std::process::Child, secs: u64) {
 
 #[test]
 fn interrupted_and_short_reads_are_retried_to_stock_output() {
-    let (stock, budget) = stock_and_tight_budget(tiny(), 32);
+    retried_reads_give_stock_output(tiny());
+}
+
+/// The same on DeepSeek's layout: a dense first layer (paged layers are not
+/// numbered from 0), shared experts, grouped routing.
+#[test]
+fn interrupted_and_short_reads_are_retried_on_deepseek2() {
+    retried_reads_give_stock_output(&crate::families::family_model("deepseek2"));
+}
+
+fn retried_reads_give_stock_output(model: &Path) {
+    let (stock, budget) = stock_and_tight_budget(model, 32);
     for kind in ["eintr", "short"] {
         for n in AT {
-            let o = run(&mut paged(tiny(), 32, &budget, &format!("{kind}@{n}")), 300);
+            let o = run(&mut paged(model, 32, &budget, &format!("{kind}@{n}")), 300);
             assert!(o.status.success(), "{kind}@{n}: {}", stderr(&o));
             assert_eq!(stdout(&o), stock, "{kind}@{n}: output differs from stock");
         }
     }
     // All of them at once, and a slow disk.
     let all: Vec<String> = AT.iter().flat_map(|n| [format!("eintr@{n}"), format!("short@{}", n + 1)]).collect();
-    let o = run(&mut paged(tiny(), 32, &budget, &(all.join(",") + ",delay=2")), 300);
+    let o = run(&mut paged(model, 32, &budget, &(all.join(",") + ",delay=2")), 300);
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(stdout(&o), stock);
 }
 
 #[test]
 fn failed_reads_stop_the_run_naming_file_layer_and_expert() {
-    let (stock, budget) = stock_and_tight_budget(tiny(), 32);
-    let model = tiny().to_str().unwrap();
+    failed_reads_stop_the_run(tiny());
+}
+
+#[test]
+fn failed_reads_stop_the_run_on_deepseek2() {
+    failed_reads_stop_the_run(&crate::families::family_model("deepseek2"));
+}
+
+fn failed_reads_stop_the_run(model_path: &Path) {
+    let (stock, budget) = stock_and_tight_budget(model_path, 32);
+    let model = model_path.to_str().unwrap();
     for (kind, says) in [("eio", "injected read fault: EIO"), ("eof", "file ended after 0 of")] {
         for n in AT {
-            let o = run(&mut paged(tiny(), 32, &budget, &format!("{kind}@{n}")), 300);
+            let o = run(&mut paged(model_path, 32, &budget, &format!("{kind}@{n}")), 300);
             assert_eq!(o.status.code(), Some(1), "{kind}@{n}: {}\n{}", o.status, stderr(&o));
             let err = stderr(&o);
             assert!(err.contains(says) && err.contains("of expert") && err.contains("of layer") && err.contains(model), "{kind}@{n}: {err}");
