@@ -44,7 +44,25 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
             if !part.exists() {
                 return Err(Error::gguf(path, format!("split part {i} of {count} is missing: {}", part.display())));
             }
-            routed += count_routed(&check_file(&part)?);
+            let g = check_file(&part)?;
+            // A part of another split (another model, or another way of
+            // splitting it) would give llama.cpp tensors of the wrong shape
+            // or none at all; the numbers each part carries say so first.
+            let field = |k: &str| g.get(k).and_then(|v| v.as_u64());
+            let total = first.get("split.tensors.count").and_then(|v| v.as_u64());
+            if field("split.no") != Some(i - 1) || field("split.count") != Some(count) || field("split.tensors.count") != total {
+                let says = match (field("split.no"), field("split.count"), field("split.tensors.count")) {
+                    (Some(no), Some(n), _) if no + 1 != i || n != count => format!("it says it is part {} of {n}", no + 1),
+                    (Some(_), Some(_), t) => format!(
+                        "it belongs to a split of {} tensors, the first part to one of {}",
+                        t.map_or("an unknown number of".into(), |t| t.to_string()),
+                        total.map_or("an unknown number of".into(), |t| t.to_string())
+                    ),
+                    _ => "it has no split.no/split.count".to_string(),
+                };
+                return Err(Error::gguf(path, format!("split part {i} of {count} does not belong to this model: {} ({says})", part.display())));
+            }
+            routed += count_routed(&g);
             files.push(part);
         }
     }

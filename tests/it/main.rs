@@ -10,6 +10,7 @@ mod load;
 mod pager;
 mod replay;
 mod server;
+mod split;
 mod tools;
 mod util;
 
