@@ -107,11 +107,15 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
     }
 }
 
+/// True if `program` is the tool `tool` (also under a suffixed name).
+fn tool_is(program: &str, tool: &str) -> bool {
+    std::path::Path::new(program).file_name().is_some_and(|n| n.to_string_lossy().starts_with(tool))
+}
+
 /// llama-server and llama-cli keep a prompt cache and checkpoints; the other
 /// tools ignore the variables.
 fn tool_has_prompt_cache(program: &str) -> bool {
-    let name = std::path::Path::new(program).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    name.starts_with("llama-server") || name.starts_with("llama-cli")
+    tool_is(program, "llama-server") || tool_is(program, "llama-cli")
 }
 
 /// Runs the tool behind `entry` with this process's arguments and exits with
@@ -156,6 +160,17 @@ pub fn run(entry: Entry) -> ! {
         let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
         eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
     } else if let Some(budget) = opts.budget {
+        if tool_is(&program, "llama-imatrix") {
+            // Its statistics of routed experts come from ggml's MUL_MAT_ID
+            // nodes, which paged experts replace: the file it wrote would
+            // silently lack every expert tensor.
+            eprintln!(
+                "{program}: error: llama-imatrix cannot run with --ram-budget: it collects the routed experts' statistics from \
+                 ggml's MUL_MAT_ID, which paged experts do not use, so its output would lack every expert tensor; \
+                 run it without --ram-budget"
+            );
+            std::process::exit(1);
+        }
         if tool_has_prompt_cache(&program) {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
             fit_growth(&program, &args, checkpoint, budget, &mut opts);

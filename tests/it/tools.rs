@@ -122,7 +122,10 @@ fn sigpipe_kills_like_a_c_program() {
 
 #[test]
 fn tools_link_llama_statically() {
-    for tool in ["llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-perplexity", "llama-quantize", "sdq"] {
+    for tool in [
+        "llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-batched-bench", "llama-perplexity", "llama-quantize",
+        "llama-gguf-split", "llama-imatrix", "llama-tokenize", "llama-mtmd-cli", "sdq",
+    ] {
         let o = run(Command::new("ldd").arg(bin(tool)), 60);
         let libs = stdout(&o);
         assert!(!libs.is_empty(), "ldd printed nothing for {tool}");
@@ -130,4 +133,64 @@ fn tools_link_llama_statically() {
             assert!(!libs.contains(shared), "{tool} links {shared} dynamically:\n{libs}");
         }
     }
+}
+
+/// llama-batched-bench pages under a budget: several sequences decode at
+/// once (a batch of routed rows from different sequences per layer).
+#[test]
+fn batched_bench_runs_under_a_budget() {
+    let model = crate::families::family_model("gpt-oss");
+    let stats = scratch().join("batched-bench-stats.json");
+    let args = ["-m", model.to_str().unwrap(), "-c", "1024", "-b", "256", "-ub", "64", "-npp", "32", "-ntg", "8", "-npl", "1,4", "-t", "2"];
+    let refs: Vec<&str> = args.to_vec();
+    let budget = tight_budget("llama-batched-bench", &refs, &[], 0);
+    let o = run(Command::new(bin("llama-batched-bench")).args(args).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]), 300);
+    assert!(o.status.success(), "{}", stderr(&o));
+    // One table row per (prompt, generated, parallel) case: PP and TG speeds.
+    let table = stdout(&o);
+    let rows: Vec<&str> = table.lines().filter(|l| l.trim_start().starts_with("|    32 |")).map(str::trim).collect();
+    assert_eq!(rows.len(), 2, "table rows:\n{}", stdout(&o));
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{s}");
+}
+
+/// llama-tokenize loads only the vocabulary: the same ids with a budget.
+#[test]
+fn tokenize_gives_the_same_ids_with_a_budget() {
+    let args = ["-m", tiny().to_str().unwrap(), "-p", "The river ran past the mill", "--ids", "--log-disable"];
+    let stock = run(Command::new(bin("llama-tokenize")).args(args), 60);
+    let paged = run(Command::new(bin("llama-tokenize")).args(args).args(["--ram-budget", "1G"]), 60);
+    assert!(stock.status.success() && paged.status.success(), "{}\n{}", stderr(&stock), stderr(&paged));
+    assert!(stdout(&stock).starts_with('[') && stdout(&stock).len() > 4, "{}", stdout(&stock));
+    assert_eq!(stdout(&paged), stdout(&stock));
+}
+
+/// llama-imatrix reads the experts' statistics from ggml's MUL_MAT_ID, which
+/// paged experts do not use: under a budget it refuses instead of writing a
+/// file without the experts; without one it is stock's.
+#[test]
+fn imatrix_refuses_a_budget_and_runs_as_stock_without_one() {
+    let text = scratch().join("imatrix-text.txt");
+    std::fs::write(&text, "river mill bridge children boats apples letters town sea light ".repeat(40)).unwrap();
+    let out = scratch().join("imatrix.gguf");
+    let args = ["-m", tiny().to_str().unwrap(), "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "1", "-t", "2", "-o", out.to_str().unwrap()];
+    let o = run(Command::new(bin("llama-imatrix")).args(args).args(["--ram-budget", "1G"]), 120);
+    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
+    assert!(stderr(&o).contains("llama-imatrix cannot run with --ram-budget") && !out.exists(), "{}", stderr(&o));
+    let o = run(Command::new(bin("llama-imatrix")).args(args), 300);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let names: Vec<String> = sdq::gguf::Gguf::open(&out).unwrap().tensors().into_iter().map(|t| t.name).collect();
+    assert!(names.iter().any(|n| n.contains("ffn_down_exps")), "no expert statistics in {names:?}");
+}
+
+/// llama-mtmd-cli is linked in and takes sdq's options; without a projector
+/// it stops with upstream's own message.
+#[test]
+fn mtmd_cli_is_a_drop_in_tool() {
+    let o = run(Command::new(bin("llama-mtmd-cli")).arg("--version"), 60);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!((stdout(&o) + &stderr(&o)).contains("0c1e570"));
+    let o = run(Command::new(bin("llama-mtmd-cli")).args(["-m", tiny().to_str().unwrap(), "-p", "Hi", "--ram-budget", "1G"]), 120);
+    assert!(!o.status.success(), "ran without a projector");
+    assert!(!stderr(&o).contains("panicked"), "{}", stderr(&o));
 }
