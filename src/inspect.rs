@@ -30,6 +30,87 @@ fn category(name: &str) -> &'static str {
     }
 }
 
+/// The layer of a `blk.N.*` tensor.
+fn layer_of(name: &str) -> Option<u32> {
+    name.strip_prefix("blk.")?.split_once('.')?.0.parse().ok()
+}
+
+/// Process memory besides weights and context, measured on the pinned build
+/// (tests/it/inspect.rs checks the estimate against runs): a fixed part, and
+/// the vocabulary's tables and logits, which grow with its size.
+const PROCESS_BASE_BYTES: u64 = 21 * MIB;
+const PROCESS_BYTES_PER_TOKEN: u64 = 200;
+const RECURRENT_BATCH_BYTES: u64 = 16 * MIB;
+
+/// The metadata the context estimate needs.
+struct ModelMeta {
+    /// Layers of the trunk (block_count less NextN blocks).
+    n_trunk: u32,
+    n_ctx: u64,
+    n_vocab: u64,
+    arch: String,
+}
+
+impl ModelMeta {
+    fn read(g: &Gguf, arch: &str) -> ModelMeta {
+        let key = |k: &str| g.get(&format!("{arch}.{k}")).and_then(|v| v.as_u64());
+        let blocks = key("block_count").unwrap_or(0) as u32;
+        let n_vocab = match g.get("tokenizer.ggml.tokens") {
+            Some(crate::gguf::Value::Array(a)) => a.len() as u64,
+            _ => 0,
+        };
+        ModelMeta {
+            n_trunk: blocks.saturating_sub(key("nextn_predict_layers").unwrap_or(0) as u32),
+            n_ctx: key("context_length").unwrap_or(4096),
+            n_vocab,
+            arch: arch.to_string(),
+        }
+    }
+
+    /// KV cache (f16, padded to 256 cells; sliding-window layers hold the
+    /// window and one batch; latent attention caches its compressed key),
+    /// recurrent state, and the process.
+    fn context_bytes(&self, names: &[&str], g: &Gguf) -> u64 {
+        let key = |k: &str| g.get(&format!("{}.{k}", self.arch)).and_then(|v| v.as_u64());
+        let n_head = key("attention.head_count").unwrap_or(1);
+        let n_head_kv = key("attention.head_count_kv").unwrap_or(n_head);
+        let n_embd = key("embedding_length").unwrap_or(0);
+        let k_len = key("attention.key_length").unwrap_or(n_embd / n_head.max(1));
+        let v_len = key("attention.value_length").unwrap_or(k_len);
+        let window = key("attention.sliding_window");
+        let swa_pattern = match g.get(&format!("{}.attention.sliding_window_pattern", self.arch)) {
+            Some(crate::gguf::Value::Array(crate::gguf::Array::Bool(v))) => Some(v),
+            _ => None,
+        };
+        let cells = |n: u64| n.div_ceil(256) * 256;
+        let mut kv = 0;
+        for il in 0..self.n_trunk {
+            let has = |leaf: &str| names.iter().any(|n| *n == format!("blk.{il}.{leaf}"));
+            let per_token = if has("attn_kv_a_mqa.weight") {
+                k_len * 2
+            } else if has("attn_k.weight") || has("attn_q.weight") || has("attn_qkv.weight") && !has("ssm_a") {
+                n_head_kv * (k_len + v_len) * 2
+            } else {
+                0
+            };
+            // gpt-oss alternates sliding and full layers from the first;
+            // Gemma 4 lists them.
+            let swa = match (&swa_pattern, window) {
+                (Some(p), Some(_)) => p.get(il as usize).copied().unwrap_or(false),
+                (None, Some(_)) => il % 2 == 0,
+                _ => false,
+            };
+            let n = if swa { cells(self.n_ctx.min(window.unwrap_or(0) + 512)) } else { cells(self.n_ctx) };
+            kv += per_token * n;
+        }
+        let state = crate::growth::checkpoint_bytes(g);
+        // Linear attention's prompt-batch buffers, touched by the warm-up
+        // batch (measured on the generated hybrid models: 16 MiB more after load).
+        let recurrent = if state > 0 { RECURRENT_BATCH_BYTES } else { 0 };
+        kv + state + recurrent + PROCESS_BASE_BYTES + PROCESS_BYTES_PER_TOKEN * self.n_vocab
+    }
+}
+
 /// Split GGUFs: the paths of every part, from `split.count` and the naming scheme.
 fn model_files(path: &Path, first: &Gguf) -> Result<Vec<PathBuf>> {
     let n = first.get("split.count").and_then(|v| v.as_u64()).unwrap_or(1);
@@ -45,6 +126,11 @@ fn model_files(path: &Path, first: &Gguf) -> Result<Vec<PathBuf>> {
 
 /// The accounting of `model`, as JSON (the text report is rendered from it).
 pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Result<Value> {
+    inspect_with_context(model, budget, reserve, None)
+}
+
+/// [`inspect`] for a run with a context of `n_ctx` tokens (default: the model's own).
+pub fn inspect_with_context(model: &Path, budget: Option<u64>, reserve: Option<u64>, n_ctx: Option<u64>) -> Result<Value> {
     let first = Gguf::open(model)?;
     let files = model_files(model, &first)?;
     let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
@@ -61,9 +147,20 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
         tensors.extend(g.tensors().into_iter().map(|t| (idx as u32, t)));
     }
 
+    let mut meta = ModelMeta::read(&first, &arch);
+    if let Some(n) = n_ctx.filter(|&n| n > 0) {
+        meta.n_ctx = n;
+    }
     let mut resident: BTreeMap<&str, u64> = CATEGORIES.iter().map(|c| (*c, 0)).collect();
     let mut paged = Vec::new();
+    let mut nextn_bytes = 0;
     for (file, t) in &tensors {
+        // NextN (multi-token prediction) blocks follow the trunk's layers;
+        // llama.cpp skips them at load unless MTP drafting is asked for.
+        if layer_of(&t.name).is_some_and(|l| l >= meta.n_trunk) {
+            nextn_bytes += t.size;
+            continue;
+        }
         match Part::from_tensor_name(&t.name) {
             Some((layer, part)) => {
                 let row = t.ty.row_size(t.ne[0]);
@@ -83,6 +180,7 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
         "routed_expert_bytes": routed,
         "resident_bytes": resident_total,
         "resident": resident,
+        "nextn_skipped_bytes": nextn_bytes,
         "top_k": top_k,
     });
     if paged.is_empty() {
@@ -138,10 +236,12 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
         let reserve = reserve.unwrap_or_else(|| budget::default_reserve(budget));
         // Under a budget the resident weights are read into memory (the default
         // load mode), so anonymous memory after load is all of them plus the
-        // context (KV cache, compute buffers), which only the run knows: 64 MiB
-        // is assumed here. With --load-mode mmap the same bytes are held as
-        // mapped weights instead, less the embedding's unread rows.
-        let anon_estimate = resident_total + 64 * MIB;
+        // context: KV cache and recurrent state at the model's own context
+        // length (the tools' default), and the process with its vocabulary.
+        // With --load-mode mmap the same bytes are held as mapped weights
+        // instead, less the embedding's unread rows.
+        let context = meta.context_bytes(&tensors.iter().map(|(_, t)| t.name.as_str()).collect::<Vec<_>>(), &first);
+        let anon_estimate = resident_total + context;
         let held = budget::Held { anon: anon_estimate, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
@@ -150,6 +250,8 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
                     "budget_bytes": budget,
                     "reserve_bytes": reserve,
                     "anonymous_after_load_estimate_bytes": anon_estimate,
+                    "context_estimate_bytes": context,
+                    "context_length": meta.n_ctx,
                     "arena_bytes": arena,
                     "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
                     "token_cycles_held": arena as f64 / token_cycle as f64,
@@ -206,13 +308,22 @@ pub fn render(r: &Value) -> String {
             human(u(&w["token_cycle_bytes"]))
         ));
     }
+    if u(&r["nextn_skipped_bytes"]) > 0 {
+        line(format!(
+            "NextN blocks   {:>14} B  {}  (skipped at load unless MTP drafting: neither paged nor resident)",
+            u(&r["nextn_skipped_bytes"]),
+            human(u(&r["nextn_skipped_bytes"]))
+        ));
+    }
     if let Some(b) = r.get("budget") {
         line(format!("\nbudget {}  reserve {}", human(u(&b["budget_bytes"])), human(u(&b["reserve_bytes"]))));
         if let Some(e) = b["error"].as_str() {
             line(format!("  {e}"));
         } else {
             line(format!(
-                "  anonymous memory after load (estimate: resident weights + 64 MiB of context) {}, arena {}, {:.1} token cycles",
+                "  anonymous memory after load (estimate: resident weights + {} of context at {} tokens) {}, arena {}, {:.1} token cycles",
+                human(u(&b["context_estimate_bytes"])),
+                u(&b["context_length"]),
                 human(u(&b["anonymous_after_load_estimate_bytes"])),
                 human(u(&b["arena_bytes"])),
                 b["token_cycles_held"].as_f64().unwrap_or(0.0)

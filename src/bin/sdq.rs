@@ -167,10 +167,14 @@ struct InspectArgs {
     /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
+    /// The context the tool will run with (its -c); default: the model's own,
+    /// as llama.cpp's tools take it. Sizes the KV cache in the budget estimate.
+    #[arg(short = 'c', long)]
+    ctx_size: Option<u64>,
 }
 
 fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
-    let r = sdq::inspect::inspect(&a.model, opts.budget, opts.reserve)?;
+    let r = sdq::inspect::inspect_with_context(&a.model, opts.budget, opts.reserve, a.ctx_size)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r).expect("serialize"));
     } else {

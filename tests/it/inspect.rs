@@ -59,3 +59,49 @@ fn inspect_rejects_what_is_not_a_model() {
         assert!(err.contains(&path.display().to_string()) && !err.contains("panicked"), "{err}");
     }
 }
+
+/// Against live runs of each family (the tools' default context, the
+/// model's own): the layers inspect pages are the run's (a NextN block is
+/// not), its estimate of anonymous memory after load is within 12 MiB of the
+/// run's, and a budget near the minimum that runs is one inspect plans for.
+#[test]
+fn inspect_matches_live_runs_of_each_family() {
+    const MIB: u64 = 1 << 20;
+    for family in ["qwen35moe", "gpt-oss", "deepseek2", "glm4moe", "gemma4", "llama"] {
+        let model = crate::families::family_model(family);
+        let stats = scratch().join(format!("inspect-live-{family}.json"));
+        let live = |budget: &str| {
+            let _ = std::fs::remove_file(&stats);
+            let o = run(
+                Command::new(bin("llama-completion"))
+                    .args(["-m", model.to_str().unwrap(), "-p", "Hello there", "-n", "4", "-t", "2", "-no-cnv", "--top-k", "1"])
+                    .args(["--ram-budget", budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+                120,
+            );
+            assert!(o.status.success(), "{family} at {budget}: {}", stderr(&o));
+            serde_json::from_str::<Value>(&std::fs::read_to_string(&stats).unwrap()).unwrap()
+        };
+        let inspect = |budget: &str| {
+            let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "--ram-budget", budget, "--sdq-reserve", "16M"]).arg(&model), 60);
+            assert!(o.status.success(), "{}", stderr(&o));
+            serde_json::from_str::<Value>(&stdout(&o)).unwrap()
+        };
+        let s = live("1G");
+        let r = inspect("1G");
+        let run_layers: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "layers")).sum();
+        assert_eq!(r["layers"].as_array().unwrap().len() as u64, run_layers, "{family}: paged layers");
+        assert_eq!(r["nextn_skipped_bytes"].as_u64().unwrap() > 0, family == "glm4moe", "{family}: {}", r["nextn_skipped_bytes"]);
+        let measured = u(&s, "rss_anon_after_load_bytes");
+        let estimate = u(&r["budget"], "anonymous_after_load_estimate_bytes");
+        assert!(estimate.abs_diff(measured) <= 12 * MIB, "{family}: estimate {} MiB, measured {} MiB", estimate / MIB, measured / MIB);
+
+        let min_arena: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "expert_bytes").div_ceil(4096) * 4096 * u(&s, "top_k")).sum();
+        let near_min = (measured + 16 * MIB + min_arena + 6 * MIB).to_string();
+        let tight = live(&near_min);
+        assert!(u(&tight, "peak_rss_anon_bytes") <= near_min.parse().unwrap(), "{family}: {tight}");
+        let planned = inspect(&near_min);
+        assert!(planned["budget"].get("error").is_none(), "{family}: inspect says a budget that runs cannot: {}", planned["budget"]);
+        let min_budget = u(&planned["budget"], "min_budget_bytes");
+        assert!(min_budget.abs_diff(measured + 16 * MIB + min_arena) <= 12 * MIB, "{family}: smallest budget {} MiB", min_budget / MIB);
+    }
+}
