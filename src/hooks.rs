@@ -11,6 +11,7 @@ use crate::sys;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 struct HookTable(sys::sdq_hooks);
@@ -297,6 +298,17 @@ extern "C" fn moe_routing(
     })
 }
 
+/// Set for tools that read each expert matmul's input from the graph
+/// (llama-imatrix): every paged layer then takes the three per-matmul ops,
+/// whose sources are ggml_mul_mat_id's, instead of the fused one.
+static PER_MATMUL_EXPERTS: AtomicBool = AtomicBool::new(false);
+
+/// Builds paged layers as three expert matmuls (gate, up, down) with
+/// ggml_mul_mat_id's sources, never the fused op.
+pub fn use_per_matmul_experts() {
+    PER_MATMUL_EXPERTS.store(true, Ordering::Relaxed);
+}
+
 extern "C" fn moe_experts(
     _: *mut c_void,
     ctx: *mut sys::ggml_context,
@@ -307,6 +319,9 @@ extern "C" fn moe_experts(
     ids: *mut sys::ggml_tensor,
 ) -> *mut sys::ggml_tensor {
     guard("moe_experts", || {
+        if PER_MATMUL_EXPERTS.load(Ordering::Relaxed) {
+            return std::ptr::null_mut();
+        }
         // SAFETY: llama.cpp passes valid tensors of the graph being built.
         let (gt, ut, dt, bt, it) = unsafe { (&*gate, &*up, &*down, &*b, &*ids) };
         // SAFETY: as above.

@@ -161,15 +161,10 @@ pub fn run(entry: Entry) -> ! {
         eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
     } else if let Some(budget) = opts.budget {
         if tool_is(&program, "llama-imatrix") {
-            // Its statistics of routed experts come from ggml's MUL_MAT_ID
-            // nodes, which paged experts replace: the file it wrote would
-            // silently lack every expert tensor.
-            eprintln!(
-                "{program}: error: llama-imatrix cannot run with --ram-budget: it collects the routed experts' statistics from \
-                 ggml's MUL_MAT_ID, which paged experts do not use, so its output would lack every expert tensor; \
-                 run it without --ram-budget"
-            );
-            std::process::exit(1);
+            // It reads each expert matmul's input from the graph (patch 0003
+            // shows it sdq's paged matmul as MUL_MAT_ID); the fused layer op
+            // would hide the down projection's input.
+            hooks::use_per_matmul_experts();
         }
         if tool_has_prompt_cache(&program) {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);

@@ -96,7 +96,8 @@ fn a_split_model_with_a_part_missing_is_named() {
     b.set("split.no", &Value::U16(0));
     b.set("split.count", &Value::U16(3));
     let first = write("split-00001-of-00003.gguf", &b.meta_bytes());
-    std::fs::copy(&first, scratch().join("split-00002-of-00003.gguf")).unwrap();
+    b.set("split.no", &Value::U16(1));
+    write("split-00002-of-00003.gguf", &b.meta_bytes());
     let _ = std::fs::remove_file(scratch().join("split-00003-of-00003.gguf"));
     let o = completion_with_budget(&first);
     assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));

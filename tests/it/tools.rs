@@ -165,22 +165,39 @@ fn tokenize_gives_the_same_ids_with_a_budget() {
     assert_eq!(stdout(&paged), stdout(&stock));
 }
 
-/// llama-imatrix reads the experts' statistics from ggml's MUL_MAT_ID, which
-/// paged experts do not use: under a budget it refuses instead of writing a
-/// file without the experts; without one it is stock's.
+/// llama-imatrix under a budget writes the file stock writes: every expert
+/// tensor's sums and counts (collected from sdq's paged matmuls, patch 0003)
+/// as well as the rest, byte for byte, at a tight arena.
 #[test]
-fn imatrix_refuses_a_budget_and_runs_as_stock_without_one() {
-    let text = scratch().join("imatrix-text.txt");
-    std::fs::write(&text, "river mill bridge children boats apples letters town sea light ".repeat(40)).unwrap();
-    let out = scratch().join("imatrix.gguf");
-    let args = ["-m", tiny().to_str().unwrap(), "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "1", "-t", "2", "-o", out.to_str().unwrap()];
-    let o = run(Command::new(bin("llama-imatrix")).args(args).args(["--ram-budget", "1G"]), 120);
-    assert_eq!(o.status.code(), Some(1), "{}", stderr(&o));
-    assert!(stderr(&o).contains("llama-imatrix cannot run with --ram-budget") && !out.exists(), "{}", stderr(&o));
-    let o = run(Command::new(bin("llama-imatrix")).args(args), 300);
-    assert!(o.status.success(), "{}", stderr(&o));
-    let names: Vec<String> = sdq::gguf::Gguf::open(&out).unwrap().tensors().into_iter().map(|t| t.name).collect();
-    assert!(names.iter().any(|n| n.contains("ffn_down_exps")), "no expert statistics in {names:?}");
+fn imatrix_under_a_budget_writes_stocks_file() {
+    for family in ["qwen35moe", "gpt-oss"] {
+        let model = crate::families::family_model(family);
+        let text = scratch().join("imatrix-text.txt");
+        std::fs::write(&text, "river mill bridge children boats apples letters town sea light ".repeat(60)).unwrap();
+        let out = |tag: &str| scratch().join(format!("imatrix-{family}-{tag}.gguf"));
+        let args = |o: &std::path::Path| -> Vec<String> {
+            ["-m", model.to_str().unwrap(), "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "3", "-t", "2", "-o", o.to_str().unwrap()]
+                .iter()
+                .map(|s| s.to_string())
+                .collect()
+        };
+        let stock = run(Command::new(bin("llama-imatrix")).args(args(&out("stock"))), 300);
+        assert!(stock.status.success(), "{}", stderr(&stock));
+        let refs: Vec<String> = args(&out("probe"));
+        let refs: Vec<&str> = refs.iter().map(String::as_str).collect();
+        let budget = tight_budget("llama-imatrix", &refs, &[], 0);
+        let stats = scratch().join(format!("imatrix-{family}-stats.json"));
+        let paged = run(
+            Command::new(bin("llama-imatrix")).args(args(&out("paged"))).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+            300,
+        );
+        assert!(paged.status.success(), "{}", stderr(&paged));
+        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        assert!(u(&s, "misses") > 0, "{family}: {s}");
+        let names: Vec<String> = sdq::gguf::Gguf::open(&out("paged")).unwrap().tensors().into_iter().map(|t| t.name).collect();
+        assert!(names.iter().any(|n| n.contains("ffn_down_exps")) && names.iter().any(|n| n.contains("ffn_gate_exps")), "{family}: no expert statistics in {names:?}");
+        assert!(std::fs::read(out("paged")).unwrap() == std::fs::read(out("stock")).unwrap(), "{family}: the imatrix differs from stock's");
+    }
 }
 
 /// llama-mtmd-cli is linked in and takes sdq's options; without a projector
