@@ -21,6 +21,11 @@ pub struct Options {
     pub faults: crate::pager::io::FaultPlan,
     /// Reader threads (`SDQ_READERS`: expert parts read at once).
     pub readers: Option<usize>,
+    /// More tries for a read that failed with a transient error
+    /// (`SDQ_READ_RETRIES`, default 3) and the first wait, doubled each
+    /// time (`SDQ_READ_BACKOFF_MS`, default 100).
+    pub read_retries: Option<u32>,
+    pub read_backoff_ms: Option<u64>,
     /// Read the next layer's predicted experts ahead (`SDQ_PREFETCH`, default on).
     pub prefetch: Option<bool>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
@@ -59,6 +64,9 @@ pub const HELP: &str = "\
                          back while no step is computed, and save the arena's to it at
                          exit (env: SDQ_HOTSET_FILE; a missing FILE is a cold start)
 SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1..=64)
+SDQ_READ_RETRIES=N       more tries for an expert read that failed with EIO, EAGAIN or an early
+                         end of file (default 3, 0..=10); SDQ_READ_BACKOFF_MS=MS waits MS before
+                         the first, doubling each time (default 100: 0.7 s for all three)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
 SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as slots fill,
@@ -119,6 +127,18 @@ impl Options {
             o.readers = Some(match v.trim().parse::<usize>() {
                 Ok(n) if (1..=64).contains(&n) => n,
                 _ => return Err(Error::invalid(format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
+            });
+        }
+        if let Some(v) = env("SDQ_READ_RETRIES").filter(|v| !v.is_empty()) {
+            o.read_retries = Some(match v.trim().parse::<u32>() {
+                Ok(n) if n <= 10 => n,
+                _ => return Err(Error::invalid(format!("SDQ_READ_RETRIES: '{v}' is not a number of retries from 0 to 10"))),
+            });
+        }
+        if let Some(v) = env("SDQ_READ_BACKOFF_MS").filter(|v| !v.is_empty()) {
+            o.read_backoff_ms = Some(match v.trim().parse::<u64>() {
+                Ok(n) if n <= 10_000 => n,
+                _ => return Err(Error::invalid(format!("SDQ_READ_BACKOFF_MS: '{v}' is not milliseconds from 0 to 10000"))),
             });
         }
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
@@ -221,6 +241,12 @@ impl Options {
         if let Some(n) = self.readers {
             env.push(("SDQ_READERS", n.to_string()));
         }
+        if let Some(n) = self.read_retries {
+            env.push(("SDQ_READ_RETRIES", n.to_string()));
+        }
+        if let Some(ms) = self.read_backoff_ms {
+            env.push(("SDQ_READ_BACKOFF_MS", ms.to_string()));
+        }
         if let Some(p) = self.populate {
             env.push(("SDQ_POPULATE", p.name().to_string()));
         }
@@ -283,7 +309,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), read_retries: Some(5), read_backoff_ms: Some(10), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

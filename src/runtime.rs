@@ -292,7 +292,13 @@ impl Runtime {
             slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
         );
         let readers = self.options.readers.unwrap_or(crate::pager::DEFAULT_READERS);
-        let pager = Pager::new(layout, &counts, ExpertReader::new(self.options.faults.clone()), readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default())?;
+        let defaults = crate::pager::io::RetryPolicy::default();
+        let retry = crate::pager::io::RetryPolicy {
+            retries: self.options.read_retries.unwrap_or(defaults.retries),
+            backoff: self.options.read_backoff_ms.map_or(defaults.backoff, std::time::Duration::from_millis),
+        };
+        let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
+        let pager = Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default())?;
         if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
             hot.check_model(path, &geometry(pager.layout()))?;
             let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
@@ -518,6 +524,10 @@ impl Runtime {
             o.insert("misses".into(), json!(misses));
             let sum = |f: fn(&crate::pager::LayerCounts) -> u64| c.per_layer.iter().map(|(_, l)| f(l)).sum::<u64>();
             o.insert("rereads".into(), json!(sum(|l| l.rereads)));
+            // Tries repeated after a transient read error, and expert reads
+            // that failed even so (each stopped the batch that needed it).
+            o.insert("read_retries".into(), json!(c.read_retries));
+            o.insert("read_failures".into(), json!(c.read_failures));
             // Prefetched experts a batch then used are hits; every prefetch is a read.
             o.insert("prefetched".into(), json!(sum(|l| l.prefetched)));
             o.insert("prefetch_used".into(), json!(sum(|l| l.prefetch_used)));

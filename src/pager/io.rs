@@ -1,8 +1,9 @@
 //! Reading expert bytes from the model file: positioned reads that retry
-//! interrupted and short reads and fail on anything else, through the page
-//! cache or with `O_DIRECT`, a check that the file has not changed under the
-//! reader, and injected faults for tests (`SDQ_FAULT_READ`, see
-//! [`FaultPlan::parse`]).
+//! interrupted and short reads at once and transient errors (EIO, EAGAIN,
+//! an early end of file) a bounded number of times with backoff
+//! ([`RetryPolicy`]), through the page cache or with `O_DIRECT`, a check that
+//! the file has not changed under the reader, and injected faults for tests
+//! (`SDQ_FAULT_READ`, see [`FaultPlan::parse`]).
 
 use std::fs::File;
 use std::io;
@@ -22,7 +23,7 @@ pub fn open_direct(path: &Path) -> io::Result<File> {
     std::fs::OpenOptions::new().read(true).custom_flags(libc::O_DIRECT).open(path)
 }
 
-/// One injected fault, on the first attempt of a read.
+/// One injected fault.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Fault {
     /// The read fails with an I/O error.
@@ -35,11 +36,22 @@ pub enum Fault {
     Eof,
 }
 
+/// One planned fault: which reads, which fault, how many tries of each.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PlannedFault {
+    /// The 1-based read number.
+    pub read: u64,
+    /// Every read from `read` on (a disk that has failed), not just that one.
+    pub onward: bool,
+    pub fault: Fault,
+    /// Tries of each read it fails (None: every one).
+    pub times: Option<u32>,
+}
+
 /// Faults to inject into the pager's reads.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct FaultPlan {
-    /// (1-based read number, fault).
-    pub at: Vec<(u64, Fault)>,
+    pub at: Vec<PlannedFault>,
     /// Added before every read.
     pub delay: Option<Duration>,
 }
@@ -47,7 +59,11 @@ pub struct FaultPlan {
 impl FaultPlan {
     /// Parses a comma-separated list: `eio@N`, `eintr@N`, `short@N`, `eof@N`
     /// (the N-th read, counted from 1), `delay=MS` (every read), or a bare `N`
-    /// (`eio@N`).
+    /// (`eio@N`). `eio` and `eof` fail every attempt of read N (a fault that
+    /// stays); `eio@N*K` and `eof@N*K` fail its first K attempts only (a
+    /// transient fault the retries get past); `eio@N+` fails every read from
+    /// N on (a disk that has died). `eintr` and `short` hit the first attempt
+    /// once.
     pub fn parse(text: &str) -> Result<FaultPlan, String> {
         let mut plan = FaultPlan::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -56,7 +72,7 @@ impl FaultPlan {
                 plan.delay = Some(Duration::from_millis(ms));
                 continue;
             }
-            let (kind, n) = item.split_once('@').unwrap_or(("eio", item));
+            let (kind, at) = item.split_once('@').unwrap_or(("eio", item));
             let fault = match kind {
                 "eio" => Fault::Eio,
                 "eintr" => Fault::Eintr,
@@ -64,16 +80,73 @@ impl FaultPlan {
                 "eof" => Fault::Eof,
                 _ => return Err(format!("'{item}': unknown fault '{kind}' (eio, eintr, short, eof, delay=MS)")),
             };
+            let persistent = matches!(fault, Fault::Eio | Fault::Eof);
+            let (at, onward) = match at.strip_suffix('+') {
+                Some(n) if persistent => (n, true),
+                Some(_) => return Err(format!("'{item}': only eio and eof take N+ (every read from N on)")),
+                None => (at, false),
+            };
+            let (n, times) = match at.split_once('*') {
+                Some((n, k)) if persistent => {
+                    let k: u32 = k.parse().ok().filter(|&k| k > 0).ok_or_else(|| format!("'{item}': '{k}' is not a number of attempts (1, 2, ...)"))?;
+                    (n, Some(k))
+                }
+                Some(_) => return Err(format!("'{item}': only eio and eof take *K (attempts)")),
+                None => (at, None),
+            };
             let n: u64 = n.parse().ok().filter(|&n| n > 0).ok_or_else(|| format!("'{item}': '{n}' is not a read number (1, 2, ...)"))?;
-            plan.at.push((n, fault));
+            plan.at.push(PlannedFault { read: n, onward, fault, times });
         }
         Ok(plan)
     }
 
-    fn fault_for(&self, read: u64) -> Option<Fault> {
-        self.at.iter().find(|(n, _)| *n == read).map(|(_, f)| *f)
+    /// The fault injected into attempt `attempt` (from 0) of read `read`.
+    fn fault_for(&self, read: u64, attempt: u32) -> Option<Fault> {
+        let &PlannedFault { fault, times, .. } = self.at.iter().find(|p| p.read == read || p.onward && read >= p.read)?;
+        let hits = match fault {
+            Fault::Eintr | Fault::Short => attempt == 0,
+            Fault::Eio | Fault::Eof => times.is_none_or(|k| attempt < k),
+        };
+        hits.then_some(fault)
     }
 }
+
+/// How often a read that failed with a transient error is tried again, and
+/// how long to wait first (doubling each time): by default 3 more tries
+/// within 0.7 s (`SDQ_READ_RETRIES`, `SDQ_READ_BACKOFF_MS`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RetryPolicy {
+    pub retries: u32,
+    pub backoff: Duration,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> RetryPolicy {
+        RetryPolicy { retries: 3, backoff: Duration::from_millis(100) }
+    }
+}
+
+/// An error another try may get past: the disk's EIO (a bad sector can be
+/// reread; a network or virtual disk's hiccup passes), EAGAIN, a timeout,
+/// or the file ending early (a short read that stayed short).
+fn is_transient(e: &io::Error) -> bool {
+    const TRANSIENT: [i32; 4] = [libc::EIO, libc::EAGAIN, libc::ETIMEDOUT, libc::EBUSY];
+    e.raw_os_error().is_some_and(|c| TRANSIENT.contains(&c))
+        || matches!(e.kind(), io::ErrorKind::UnexpectedEof | io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut)
+        || e.get_ref().is_some_and(|inner| inner.is::<InjectedEio>())
+}
+
+/// The error an injected `eio` fault gives.
+#[derive(Debug)]
+struct InjectedEio(u64);
+
+impl std::fmt::Display for InjectedEio {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "injected read fault: EIO on read {} (SDQ_FAULT_READ)", self.0)
+    }
+}
+
+impl std::error::Error for InjectedEio {}
 
 /// What a model file looked like when the pager opened it: if its length or
 /// modification time changes, bytes read from it may no longer be the bytes
@@ -110,12 +183,19 @@ impl FileStamp {
 #[derive(Debug, Default)]
 pub struct ExpertReader {
     faults: FaultPlan,
+    retry: RetryPolicy,
     reads: AtomicU64,
+    retried: AtomicU64,
 }
 
 impl ExpertReader {
     pub fn new(faults: FaultPlan) -> ExpertReader {
-        ExpertReader { faults, reads: AtomicU64::new(0) }
+        ExpertReader { faults, ..Default::default() }
+    }
+
+    pub fn with_retries(mut self, retry: RetryPolicy) -> ExpertReader {
+        self.retry = retry;
+        self
     }
 
     /// Fills `buf` from `file` at `offset`. EINTR and short reads are retried
@@ -136,34 +216,53 @@ impl ExpertReader {
         self.read_into(file, buf, offset, need, DIRECT_ALIGN)
     }
 
-    /// Reads into `buf` until at least `need` bytes have arrived; a short read
-    /// (injected ones included) keeps to multiples of `align`.
+    /// Reads into `buf` until at least `need` bytes have arrived, trying
+    /// again after transient errors as the retry policy allows; the bytes
+    /// already read are kept. A short read (injected ones included) keeps to
+    /// multiples of `align`.
     fn read_into(&self, file: &File, buf: &mut [u8], offset: u64, need: usize, align: usize) -> io::Result<()> {
         let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
         if let Some(d) = self.faults.delay {
             std::thread::sleep(d);
         }
-        let mut injected = self.faults.fault_for(n);
         let mut done = 0;
-        while done < need {
+        let mut attempt = 0;
+        loop {
+            match self.attempt(file, buf, offset, need, align, n, attempt, &mut done) {
+                Ok(()) => return Ok(()),
+                Err(e) if attempt < self.retry.retries && is_transient(&e) => {
+                    self.retried.fetch_add(1, Ordering::Relaxed);
+                    log::warn!("read {n} at offset {offset}: {e}; trying again ({} of {})", attempt + 1, self.retry.retries);
+                    std::thread::sleep(self.retry.backoff * 2u32.pow(attempt));
+                    attempt += 1;
+                }
+                Err(e) if attempt > 0 => return Err(io::Error::new(e.kind(), format!("{e} (after {} tries)", attempt + 1))),
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// One try of `read_into`, from `*done` bytes on.
+    #[allow(clippy::too_many_arguments)]
+    fn attempt(&self, file: &File, buf: &mut [u8], offset: u64, need: usize, align: usize, n: u64, attempt: u32, done: &mut usize) -> io::Result<()> {
+        let mut injected = self.faults.fault_for(n, attempt);
+        while *done < need {
+            let d = *done;
             let got = match injected.take() {
-                Some(Fault::Eio) => Err(io::Error::other(format!("injected read fault: EIO on read {n} (SDQ_FAULT_READ)"))),
+                Some(Fault::Eio) => Err(io::Error::other(InjectedEio(n))),
                 Some(Fault::Eintr) => Err(io::Error::from(io::ErrorKind::Interrupted)),
                 Some(Fault::Short) => {
-                    let half = ((buf.len() - done) / 2 / align * align).max(align).min(buf.len() - done);
-                    file.read_at(&mut buf[done..done + half], offset + done as u64)
+                    let half = ((buf.len() - d) / 2 / align * align).max(align).min(buf.len() - d);
+                    file.read_at(&mut buf[d..d + half], offset + d as u64)
                 }
                 Some(Fault::Eof) => Ok(0),
-                None => file.read_at(&mut buf[done..], offset + done as u64),
+                None => file.read_at(&mut buf[d..], offset + d as u64),
             };
             match got {
                 Ok(0) => {
-                    return Err(io::Error::new(
-                        io::ErrorKind::UnexpectedEof,
-                        format!("file ended after {done} of {need} bytes at offset {offset}"),
-                    ))
+                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("file ended after {d} of {need} bytes at offset {offset}")))
                 }
-                Ok(k) => done += k,
+                Ok(k) => *done += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),
             }
@@ -174,6 +273,11 @@ impl ExpertReader {
     /// Reads issued so far.
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::Relaxed)
+    }
+
+    /// Tries repeated after a transient error, so far.
+    pub fn retried(&self) -> u64 {
+        self.retried.load(Ordering::Relaxed)
     }
 }
 
@@ -212,25 +316,50 @@ mod tests {
         (path, f)
     }
 
+    const QUICK: RetryPolicy = RetryPolicy { retries: 2, backoff: Duration::from_millis(1) };
+
     #[test]
     fn reads_exactly_or_fails() {
         let (path, f) = scratch_file("exact");
-        let r = ExpertReader::new(FaultPlan::parse("3").unwrap());
+        let r = ExpertReader::new(FaultPlan::parse("3").unwrap()).with_retries(QUICK);
         let mut buf = [0u8; 16];
         r.read_exact_at(&f, &mut buf, 16).unwrap();
         assert_eq!(buf[0], 16);
         let e = r.read_exact_at(&f, &mut buf, 250).unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof, "{e}");
         let e = r.read_exact_at(&f, &mut buf, 0).unwrap_err();
-        assert!(e.to_string().contains("injected read fault: EIO on read 3"), "{e}");
+        assert!(e.to_string().contains("injected read fault: EIO on read 3 (SDQ_FAULT_READ) (after 3 tries)"), "{e}");
         r.read_exact_at(&f, &mut buf, 0).unwrap();
+        // The early end of file (read 2) and read 3 were each tried 3 times.
+        assert_eq!(r.retried(), 4);
+        std::fs::remove_file(path).unwrap();
+    }
+
+    #[test]
+    fn transient_errors_are_retried_with_backoff() {
+        let (path, f) = scratch_file("transient");
+        let slow = RetryPolicy { retries: 3, backoff: Duration::from_millis(20) };
+        let r = ExpertReader::new(FaultPlan::parse("eio@1*2, eof@2*3").unwrap()).with_retries(slow);
+        let start = std::time::Instant::now();
+        let mut buf = [0u8; 40];
+        r.read_exact_at(&f, &mut buf, 10).unwrap();
+        // Two failed tries: 20 + 40 ms of backoff.
+        assert!(start.elapsed() >= Duration::from_millis(60), "{:?}", start.elapsed());
+        assert!(buf.iter().enumerate().all(|(i, &b)| b as usize == 10 + i), "{buf:?}");
+        // The file "ends" three times; the fourth try reads it all.
+        r.read_exact_at(&f, &mut buf, 100).unwrap();
+        assert!(buf.iter().enumerate().all(|(i, &b)| b as usize == 100 + i), "{buf:?}");
+        assert_eq!((r.reads(), r.retried()), (2, 5));
+        // No retries: the first transient error is the answer.
+        let none = ExpertReader::new(FaultPlan::parse("eio@1*1").unwrap()).with_retries(RetryPolicy { retries: 0, ..slow });
+        assert!(none.read_exact_at(&f, &mut buf, 0).is_err());
         std::fs::remove_file(path).unwrap();
     }
 
     #[test]
     fn interrupted_and_short_reads_complete_and_early_eof_fails() {
         let (path, f) = scratch_file("faults");
-        let r = ExpertReader::new(FaultPlan::parse("eintr@1, short@2, eof@3").unwrap());
+        let r = ExpertReader::new(FaultPlan::parse("eintr@1, short@2, eof@3").unwrap()).with_retries(QUICK);
         for start in [0u64, 100] {
             let mut buf = [0u8; 33];
             r.read_exact_at(&f, &mut buf, start).unwrap();
@@ -246,10 +375,22 @@ mod tests {
     #[test]
     fn fault_plans_parse_or_name_what_is_wrong() {
         let p = FaultPlan::parse("eio@4,delay=20, short@1").unwrap();
-        assert_eq!(p.at, vec![(4, Fault::Eio), (1, Fault::Short)]);
+        let at = |read, onward, fault, times| PlannedFault { read, onward, fault, times };
+        assert_eq!(p.at, vec![at(4, false, Fault::Eio, None), at(1, false, Fault::Short, None)]);
         assert_eq!(p.delay, Some(Duration::from_millis(20)));
-        assert_eq!(FaultPlan::parse("7").unwrap().at, vec![(7, Fault::Eio)]);
-        for (bad, needle) in [("boom@3", "unknown fault 'boom'"), ("eio@0", "not a read number"), ("delay=x", "milliseconds")] {
+        assert_eq!(FaultPlan::parse("7").unwrap().at, vec![at(7, false, Fault::Eio, None)]);
+        assert_eq!(FaultPlan::parse("eof@2*3").unwrap().at, vec![at(2, false, Fault::Eof, Some(3))]);
+        let died = FaultPlan::parse("eio@5+").unwrap();
+        assert_eq!(died.at, vec![at(5, true, Fault::Eio, None)]);
+        assert_eq!((died.fault_for(4, 0), died.fault_for(5, 0), died.fault_for(900, 3)), (None, Some(Fault::Eio), Some(Fault::Eio)));
+        for (bad, needle) in [
+            ("boom@3", "unknown fault 'boom'"),
+            ("eio@0", "not a read number"),
+            ("delay=x", "milliseconds"),
+            ("eio@3*0", "not a number of attempts"),
+            ("short@3*2", "only eio and eof take *K"),
+            ("eintr@3+", "only eio and eof take N+"),
+        ] {
             let e = FaultPlan::parse(bad).unwrap_err();
             assert!(e.contains(needle), "{bad}: {e}");
         }

@@ -90,8 +90,12 @@ struct State {
     /// Bytes asked of the disk: bytes_read plus direct I/O's alignment padding.
     device_bytes: u64,
     read_ns: u64,
-    /// The first error of each expert whose read failed.
-    errors: HashMap<ExpertKey, String>,
+    /// The error of each expert whose last read failed, numbered from
+    /// `failures`: the acquire that started the read gets it (its batch
+    /// stops); any other use of the expert reads it again.
+    errors: HashMap<ExpertKey, (String, u64)>,
+    /// Expert reads that failed so far.
+    failures: u64,
     /// Batches of misses `prepare` submitted: (bytes, parts left, started), by id.
     batches: HashMap<u64, (u64, u32, Instant)>,
     next_batch: u64,
@@ -122,6 +126,10 @@ pub struct PagerCounts {
     /// it has yet to consider (an expert already held is not read again).
     pub warm_read: u64,
     pub warm_pending: u64,
+    /// Tries repeated after a transient read error, and expert reads that
+    /// failed even so.
+    pub read_retries: u64,
+    pub read_failures: u64,
 }
 
 /// When the arena's memory is faulted in (`SDQ_POPULATE`). A fresh slot's
@@ -274,6 +282,7 @@ impl Pager {
             device_bytes: 0,
             read_ns: 0,
             errors: HashMap::new(),
+            failures: 0,
             batches: HashMap::new(),
             next_batch: 0,
             batch_totals: (0, 0, 0),
@@ -538,10 +547,13 @@ impl Pager {
         let key = (layer, expert);
         let class = sh.arena.classes()[ll.class].slots();
         let mut st = sh.lock();
+        // Failures numbered up to here happened before this acquire.
+        let seen = st.failures;
         loop {
-            if let Some(msg) = st.errors.get(&key) {
-                return Err(Error::invalid(msg.clone()));
-            }
+            // A read this acquire did not start (an earlier use's, a
+            // prefetch, a preload, another thread's) failed: read it again
+            // here. Only the failure of this acquire's own read is its answer.
+            st.errors.remove(&key);
             if let Some(slot) = st.res.slot_of(key) {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
@@ -571,8 +583,10 @@ impl Pager {
                     sh.submit(jobs, Lane::Demand);
                     st = sh.lock();
                     loop {
-                        if let Some(msg) = st.errors.get(&key) {
-                            return Err(Error::invalid(msg.clone()));
+                        if let Some((msg, n)) = st.errors.get(&key) {
+                            if *n > seen {
+                                return Err(Error::invalid(msg.clone()));
+                            }
                         }
                         if st.slots[victim].ready && st.res.key(victim) == Some(key) {
                             // The load's pin is now this acquire's.
@@ -599,6 +613,8 @@ impl Pager {
             device_bytes: st.device_bytes,
             read_seconds: st.read_ns as f64 / 1e9,
             reads: self.shared.reader.reads(),
+            read_retries: self.shared.reader.retried(),
+            read_failures: st.failures,
             converted: self.shared.converted.load(Ordering::Relaxed),
             convert_seconds: self.shared.convert_ns.load(Ordering::Relaxed) as f64 / 1e9,
             miss_batches: st.batch_totals.0,
@@ -854,7 +870,12 @@ impl Shared {
             }
         }
         if let Err(e) = result {
-            st.errors.entry(key).or_insert_with(|| e.to_string());
+            // One failure per expert read, whichever of its parts failed first.
+            if !st.slots[job.slot].failed {
+                st.failures += 1;
+                let n = st.failures;
+                st.errors.insert(key, (e.to_string(), n));
+            }
             st.slots[job.slot].failed = true;
         }
         let s = &mut st.slots[job.slot];

@@ -116,13 +116,15 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
 fn a_failed_read_ends_the_server_with_the_error_and_no_answer() {
     let model = tiny().to_str().unwrap();
     let log = scratch().join("server-eio.log");
-    // Start-up (without warm-up) takes about 100 reads; read 150 falls in
-    // one of the first requests. Requests answered before it are fine; the
+    // Start-up (without warm-up) takes about 100 reads; from read 150 on
+    // every read fails (a disk that has died: a prefetch's failed read is
+    // otherwise read again by the request that needs it), in one of the
+    // first requests. Requests answered before it are fine; the
     // one it falls in must not be answered. (Preloading, which a 1G budget
     // would start, is off: the fault is aimed at a request's own read.)
     let (mut server, port) = start_server_logged(
         &["-m", model, "--no-warmup", "--ram-budget", "1G"],
-        &[("SDQ_FAULT_READ", "eio@150"), ("SDQ_PRELOAD", "0")],
+        &[("SDQ_FAULT_READ", "eio@150+"), ("SDQ_READ_BACKOFF_MS", "10"), ("SDQ_PRELOAD", "0")],
         Some(&log),
     );
     let mut answered = 0;
