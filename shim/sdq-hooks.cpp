@@ -28,3 +28,14 @@ bool sdq_is_paged_tensor(const ggml_tensor * t) {
     return h && h->paged_buft && t && t->buffer &&
            ggml_backend_buffer_get_type(t->buffer) == h->paged_buft;
 }
+
+bool sdq_abort_requested(void * data) {
+    (void) data;
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->abort_requested && h->abort_requested(h->user_data);
+}
+
+bool sdq_take_batch_error(char * buf, size_t len) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->take_batch_error && h->take_batch_error(h->user_data, buf, len);
+}

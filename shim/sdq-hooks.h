@@ -10,6 +10,7 @@
 #define SDQ_HOOKS_H
 
 #include <stdbool.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "ggml.h"
@@ -19,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 7
+#define SDQ_HOOKS_VERSION 8
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -75,7 +76,24 @@ struct sdq_hooks {
     struct ggml_tensor * (*moe_experts)(void * user_data, struct ggml_context * ctx,
                                         struct ggml_tensor * gate, struct ggml_tensor * up, struct ggml_tensor * down,
                                         struct ggml_tensor * b, struct ggml_tensor * ids);
+
+    /* Compute: should ggml stop the graph now? True once after an expert
+     * read failed in a tool that abandons the batch (it installed
+     * sdq_abort_requested as its abort callback); a tool without it ends on
+     * such a failure. */
+    bool (*abort_requested)(void * user_data);
+
+    /* Compute: the error that abandoned the last batch, copied into buf
+     * (NUL-terminated, cut at len) and forgotten; false if there is none. */
+    bool (*take_batch_error)(void * user_data, char * buf, size_t len);
 };
+
+/* ggml abort callback (llama_set_abort_callback): the abort_requested hook,
+ * or false with no table installed. */
+bool sdq_abort_requested(void * data);
+
+/* The take_batch_error hook, or false with no table installed. */
+bool sdq_take_batch_error(char * buf, size_t len);
 
 /* Install (or, with NULL, remove) the hook table. The table must outlive every
  * model loaded while it is installed. */

@@ -40,10 +40,32 @@ pub fn install() {
             mul_mat_id: Some(mul_mat_id),
             moe_routing: Some(moe_routing),
             moe_experts: Some(moe_experts),
+            abort_requested: Some(abort_requested),
+            take_batch_error: Some(take_batch_error),
         })
     });
     // SAFETY: the table is static, so it outlives every model.
     unsafe { sys::sdq_set_hooks(&table.0) };
+}
+
+extern "C" fn abort_requested(_: *mut c_void) -> bool {
+    guard("abort_requested", runtime::abort_requested)
+}
+
+extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
+    guard("take_batch_error", || {
+        let Some(msg) = runtime::take_batch_error() else { return false };
+        if len == 0 {
+            return true;
+        }
+        let n = msg.len().min(len - 1);
+        // SAFETY: the caller passes a buffer of len bytes; n + 1 <= len.
+        unsafe {
+            std::ptr::copy_nonoverlapping(msg.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+        true
+    })
 }
 
 /// # Safety

@@ -488,7 +488,15 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     WORKSPACE.with_borrow_mut(|ws| {
         while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
             let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
-            let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
+            let expert = match pager.acquire(op.layer, e, count) {
+                Ok(expert) => expert,
+                // The batch is abandoned (or the process ends): this
+                // expert's rows of dst are never read.
+                Err(err) => {
+                    runtime::fail_batch(&err.to_string());
+                    continue;
+                }
+            };
             // SAFETY: the part is this expert's rows; the activations are b
             // converted (by join's caller) in stock's layout; dst is F32
             // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
@@ -551,7 +559,14 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
             // Use j of token t: gate and up read b's row t and write row j.
             f.rows.clear();
             f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
-            let expert = pager.acquire(op.layer, e, count).unwrap_or_else(|err| fatal(&err.to_string()));
+            let expert = match pager.acquire(op.layer, e, count) {
+                Ok(expert) => expert,
+                // As in the matmul: the batch is abandoned, its output unused.
+                Err(err) => {
+                    runtime::fail_batch(&err.to_string());
+                    continue;
+                }
+            };
             // SAFETY: the parts are this expert's rows; b's rows are converted
             // for gate and up (which share an activation type, checked when
             // the op was built); row j of gate and up (n_ff floats at j ·

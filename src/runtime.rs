@@ -143,6 +143,53 @@ pub fn fatal(msg: &str) -> ! {
     unsafe { libc::_exit(1) }
 }
 
+/// A batch abandoned because an expert read failed. llama-server goes on
+/// without the batch: it installs sdq's abort callback (patch 0004), which
+/// ggml calls after every node, and answers the batch's requests with the
+/// error. Every other tool ends on a failed read (llama-cli shares the
+/// server's code, and the callback, but is told not to go on).
+struct BatchAbort {
+    /// The tool abandons a batch rather than end (`allow_batch_abort`).
+    supported: AtomicBool,
+    /// ggml has yet to be told to stop the graph.
+    requested: AtomicBool,
+    /// The first error of the abandoned batch, until the tool takes it.
+    error: Mutex<Option<String>>,
+}
+
+static BATCH_ABORT: BatchAbort = BatchAbort { supported: AtomicBool::new(false), requested: AtomicBool::new(false), error: Mutex::new(None) };
+
+/// An expert the batch needs could not be read: the batch is abandoned where
+/// the tool can do that (its outputs are never used: ggml stops the graph
+/// after the current node and the tool drops the batch), else the process
+/// ends with the error.
+pub fn fail_batch(msg: &str) {
+    if !BATCH_ABORT.supported.load(Ordering::Acquire) {
+        fatal(msg);
+    }
+    let mut first = BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner());
+    if first.is_none() {
+        eprintln!("sdq: error: {msg}; the batch is abandoned");
+        *first = Some(msg.to_string());
+    }
+    BATCH_ABORT.requested.store(true, Ordering::Release);
+}
+
+/// The tool abandons a batch whose expert read failed and goes on (llama-server).
+pub fn allow_batch_abort() {
+    BATCH_ABORT.supported.store(true, Ordering::Release);
+}
+
+/// ggml's abort callback: true once after a batch was abandoned.
+pub fn abort_requested() -> bool {
+    BATCH_ABORT.requested.swap(false, Ordering::AcqRel)
+}
+
+/// The error that abandoned the last batch, once.
+pub fn take_batch_error() -> Option<String> {
+    BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
 /// Runs `f` (a callback from C or C++, which nothing may unwind into),
 /// turning a panic into a clean fatal error naming `what`.
 pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {

@@ -228,3 +228,21 @@ fn an_unwritable_stats_file_is_a_warning_not_a_failure() {
     let o = run(Command::new(bin("llama-completion")).args(&args).args(["--ram-budget", "1G", "--sdq-stats", dir.to_str().unwrap()]), 300);
     assert!(o.status.success() && stderr(&o).contains("cannot write stats"), "{}", stderr(&o));
 }
+
+/// llama-cli shares llama-server's code (and its abort callback), but a
+/// failed read still ends it with exit 1 and the error, as llama-completion.
+#[test]
+fn a_failed_read_ends_llama_cli() {
+    let model = tiny().to_str().unwrap();
+    let o = run(
+        Command::new(bin("llama-cli"))
+            .args(["-m", model, "-st", "-p", "Hello", "-n", "16", "--top-k", "1", "-t", "2", "-c", "512", "--ram-budget", "1G"])
+            .env("SDQ_FAULT_READ", "eio@1+")
+            .env("SDQ_READ_BACKOFF_MS", "1")
+            .env("SDQ_PRELOAD", "0"),
+        300,
+    );
+    assert_eq!(o.status.code(), Some(1), "{}\n{}", o.status, stderr(&o));
+    let err = stderr(&o);
+    assert!(err.contains("injected read fault: EIO") && err.contains("of expert") && err.contains(model) && !err.contains("abandoned"), "{err}");
+}
