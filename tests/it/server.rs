@@ -112,6 +112,57 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
     }
 }
 
+/// The same with four slots and four requests at once: a batch holding
+/// several requests fails them all with the error; the server goes on, and
+/// every request answered gets the text stock gives the same four requests
+/// at once. (Each round's prompts are new: a request that reuses the cached
+/// prompt of one before it is batched with the others differently, and a
+/// failed request's cache is gone, so repeated prompts would compare
+/// different batches, which stock does not promise to answer alike.)
+#[test]
+fn failed_reads_in_concurrent_batches_fail_those_requests_only() {
+    let model = tiny().to_str().unwrap();
+    let body = |r: usize, i: usize| format!(r#"{{"prompt":"Round {r} request {i} asks about rivers and {i} mountains","n_predict":16,"top_k":1}}"#);
+    let rounds = |port: u16| -> Vec<Vec<(u16, String)>> {
+        (0..8)
+            .map(|r| {
+                let handles: Vec<_> = (0..4)
+                    .map(|i| {
+                        let b = body(r, i);
+                        std::thread::spawn(move || http(port, "POST", "/completion", Some(&b)).expect("the server answers"))
+                    })
+                    .collect();
+                handles.into_iter().map(|h| h.join().unwrap()).collect()
+            })
+            .collect()
+    };
+    let content = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap()["content"].as_str().unwrap().to_string();
+    let (stock_server, port) = start_server(&["-m", model, "--no-warmup", "-np", "4"]);
+    let stock = rounds(port);
+    drop(stock_server);
+    let plan: Vec<String> = (150..200).map(|n| format!("eio@{n}")).collect();
+    let (server, port) = start_server_env(
+        &["-m", model, "--no-warmup", "-np", "4", "--ram-budget", "1G"],
+        &[("SDQ_FAULT_READ", &plan.join(",")), ("SDQ_READ_BACKOFF_MS", "1"), ("SDQ_PRELOAD", "0")],
+    );
+    let paged = rounds(port);
+    let mut failed = 0;
+    for (r, (answers, stock_answers)) in paged.iter().zip(&stock).enumerate() {
+        for (i, ((code, b), (_, stock_b))) in answers.iter().zip(stock_answers).enumerate() {
+            if *code == 200 {
+                assert_eq!(content(b), content(stock_b), "round {r}, request {i}: answered unlike stock");
+            } else {
+                assert_eq!(*code, 500, "{b}");
+                assert!(b.contains("of expert") && b.contains("of layer") && b.contains("injected read fault: EIO"), "{b}");
+                failed += 1;
+            }
+        }
+    }
+    assert!(failed > 0, "no request failed");
+    assert!(paged.last().unwrap().iter().all(|(c, _)| *c == 200), "the last round still failed: the server did not recover");
+    assert!(stop(server).success());
+}
+
 /// A read that fails for good (every try) inside a request costs that
 /// batch, not the server: its request gets an HTTP 500 whose JSON names the
 /// file, layer and expert, its slot's state is dropped, and the server goes
