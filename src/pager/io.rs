@@ -54,6 +54,9 @@ pub struct FaultPlan {
     pub at: Vec<PlannedFault>,
     /// Added before every read.
     pub delay: Option<Duration>,
+    /// Every try of every read fails with EIO while this file exists (a
+    /// fault a test switches on and off in a running process).
+    pub eio_while: Option<std::path::PathBuf>,
 }
 
 impl FaultPlan {
@@ -62,11 +65,18 @@ impl FaultPlan {
     /// (`eio@N`). `eio` and `eof` fail every attempt of read N (a fault that
     /// stays); `eio@N*K` and `eof@N*K` fail its first K attempts only (a
     /// transient fault the retries get past); `eio@N+` fails every read from
-    /// N on (a disk that has died). `eintr` and `short` hit the first attempt
-    /// once.
+    /// N on (a disk that has died); `eio-while=PATH` fails every read while
+    /// PATH exists. `eintr` and `short` hit the first attempt once.
     pub fn parse(text: &str) -> Result<FaultPlan, String> {
         let mut plan = FaultPlan::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
+            if let Some(path) = item.strip_prefix("eio-while=") {
+                if path.is_empty() {
+                    return Err(format!("'{item}': eio-while=PATH needs a path"));
+                }
+                plan.eio_while = Some(path.into());
+                continue;
+            }
             if let Some(ms) = item.strip_prefix("delay=") {
                 let ms: u64 = ms.parse().map_err(|_| format!("'{item}': delay=MS needs milliseconds"))?;
                 plan.delay = Some(Duration::from_millis(ms));
@@ -102,6 +112,9 @@ impl FaultPlan {
 
     /// The fault injected into attempt `attempt` (from 0) of read `read`.
     fn fault_for(&self, read: u64, attempt: u32) -> Option<Fault> {
+        if self.eio_while.as_ref().is_some_and(|p| p.exists()) {
+            return Some(Fault::Eio);
+        }
         let &PlannedFault { fault, times, .. } = self.at.iter().find(|p| p.read == read || p.onward && read >= p.read)?;
         let hits = match fault {
             Fault::Eintr | Fault::Short => attempt == 0,
@@ -383,6 +396,13 @@ mod tests {
         let died = FaultPlan::parse("eio@5+").unwrap();
         assert_eq!(died.at, vec![at(5, true, Fault::Eio, None)]);
         assert_eq!((died.fault_for(4, 0), died.fault_for(5, 0), died.fault_for(900, 3)), (None, Some(Fault::Eio), Some(Fault::Eio)));
+        let switch = std::env::temp_dir().join(format!("sdq-eio-while-{}", std::process::id()));
+        let toggled = FaultPlan::parse(&format!("eio-while={}", switch.display())).unwrap();
+        assert_eq!(toggled.fault_for(1, 0), None);
+        std::fs::write(&switch, b"").unwrap();
+        assert_eq!((toggled.fault_for(1, 0), toggled.fault_for(2, 3)), (Some(Fault::Eio), Some(Fault::Eio)));
+        std::fs::remove_file(&switch).unwrap();
+        assert_eq!(toggled.fault_for(3, 0), None);
         for (bad, needle) in [
             ("boom@3", "unknown fault 'boom'"),
             ("eio@0", "not a read number"),
@@ -390,6 +410,7 @@ mod tests {
             ("eio@3*0", "not a number of attempts"),
             ("short@3*2", "only eio and eof take *K"),
             ("eintr@3+", "only eio and eof take N+"),
+            ("eio-while=", "needs a path"),
         ] {
             let e = FaultPlan::parse(bad).unwrap_err();
             assert!(e.contains(needle), "{bad}: {e}");

@@ -3,7 +3,9 @@
 //! loopback. Answers must be stock's (bar the near-ties stock itself flips
 //! under concurrency), every request
 //! must finish within its timeout, and over a 1,000-request soak the server's
-//! anonymous RSS and open file descriptors must stay flat.
+//! anonymous RSS and open file descriptors must stay flat, through a stretch
+//! in the middle where every read fails (those requests get sdq's error;
+//! every one after it is answered).
 
 use crate::util::*;
 use serde_json::Value;
@@ -26,6 +28,30 @@ fn complete(port: u16, prompt: &str, n: u32) -> String {
     assert_eq!(status, 200, "{body}");
     let v: Value = serde_json::from_str(&body).unwrap();
     v["content"].as_str().unwrap().to_string()
+}
+
+/// Like `drive`, for requests that may meet a failing disk: the number that
+/// failed, each with sdq's error naming the expert and layer.
+fn drive_through_faults(port: u16, prompts: &[String], n: u32, clients: usize) -> usize {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let failed = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for _ in 0..clients {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= prompts.len() {
+                    break;
+                }
+                let body = format!(r#"{{"prompt":"{}","n_predict":{n},"temperature":0,"cache_prompt":false}}"#, prompts[i]);
+                let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("request within its timeout");
+                if status != 200 {
+                    assert!(status == 500 && body.contains("of expert") && body.contains("of layer"), "{status}: {body}");
+                    failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                }
+            });
+        }
+    });
+    failed.into_inner()
 }
 
 /// `prompts` sent by `clients` threads at once; responses in prompt order.
@@ -94,7 +120,15 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     eprintln!("stock's answer varied with batching for {varied} of {} prompts", first.len());
     assert!(varied * 8 < first.len(), "stock too unstable to compare against: {varied} prompts varied");
     let stats = scratch().join("stats-server-soak.json");
-    let (server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
+    // Halfway through the soak the disk fails for a while: every read fails
+    // while this file exists.
+    let failing_disk = scratch().join("soak-disk-fails");
+    let _ = std::fs::remove_file(&failing_disk);
+    let faults = format!("eio-while={}", failing_disk.display());
+    let (server, port) = start_server_env(
+        &[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
+        &[PLAIN, ("SDQ_FAULT_READ", &faults), ("SDQ_READ_BACKOFF_MS", "1")],
+    );
     let pid = server.0.id();
     let paged = drive(port, &first, 12, CLIENTS);
     // Stock itself flips a few near-ties from run to run under concurrency
@@ -112,11 +146,17 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     drive(port, &soak[..36], 4, CLIENTS);
     let (rss_before, fds_before) = (rss_anon(pid), open_fds(pid));
     let started = Instant::now();
-    drive(port, &soak[36..], 4, CLIENTS);
+    drive(port, &soak[36..436], 4, CLIENTS);
+    std::fs::write(&failing_disk, b"").unwrap();
+    let failed = drive_through_faults(port, &soak[436..468], 4, CLIENTS);
+    std::fs::remove_file(&failing_disk).unwrap();
+    assert!(failed > 0, "no request failed while every read failed");
+    // Every request after the failing stretch is answered (drive asserts it).
+    drive(port, &soak[468..], 4, CLIENTS);
     let (rss_after, fds_after) = (rss_anon(pid), open_fds(pid));
     let drift = rss_after as i64 - rss_before as i64;
     eprintln!(
-        "soak: 900 requests in {:.1} s; RssAnon {} -> {} bytes (drift {drift}); fds {fds_before} -> {fds_after}",
+        "soak: 900 requests in {:.1} s, {failed} of 32 failed while the disk failed; RssAnon {} -> {} bytes (drift {drift}); fds {fds_before} -> {fds_after}",
         started.elapsed().as_secs_f64(),
         rss_before,
         rss_after
@@ -126,4 +166,5 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     assert!(rss_after <= budget.parse::<u64>().unwrap(), "RssAnon {rss_after} over the budget {budget}");
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert!(u(&s, "misses") > u(&s, "hits") / 4, "the arena was not under pressure: {s}");
+    assert!(u(&s, "read_failures") > 0, "{s}");
 }
