@@ -82,14 +82,32 @@ impl ModelMeta {
             Some(crate::gguf::Value::Array(crate::gguf::Array::Bool(v))) => Some(v),
             _ => None,
         };
-        let cells = |n: u64| n.div_ceil(256) * 256;
-        let mut kv = 0;
-        for il in 0..self.n_trunk {
-            let has = |leaf: &str| names.iter().any(|n| *n == format!("blk.{il}.{leaf}"));
-            let per_token = if has("attn_kv_a_mqa.weight") {
-                k_len * 2
-            } else if has("attn_k.weight") || has("attn_q.weight") || has("attn_qkv.weight") && !has("ssm_a") {
-                n_head_kv * (k_len + v_len) * 2
+        let cells = |n: u64| n.div_ceil(256).saturating_mul(256);
+        // What each trunk layer has, from one pass over the tensor names
+        // (never a loop over block_count, which a file may set to anything).
+        #[derive(Default)]
+        struct Kind {
+            latent: bool,
+            attention: bool,
+            fused_qkv: bool,
+            recurrent: bool,
+        }
+        let mut layers: BTreeMap<u32, Kind> = BTreeMap::new();
+        for name in names {
+            let Some(il) = layer_of(name).filter(|&l| l < self.n_trunk) else { continue };
+            let leaf = name.split_once('.').and_then(|(_, r)| r.split_once('.')).map_or("", |(_, leaf)| leaf);
+            let k = layers.entry(il).or_default();
+            k.latent |= leaf == "attn_kv_a_mqa.weight";
+            k.attention |= matches!(leaf, "attn_k.weight" | "attn_q.weight");
+            k.fused_qkv |= leaf == "attn_qkv.weight";
+            k.recurrent |= leaf.starts_with("ssm_");
+        }
+        let mut kv: u64 = 0;
+        for (&il, k) in &layers {
+            let per_token = if k.latent {
+                k_len.saturating_mul(2)
+            } else if k.attention || (k.fused_qkv && !k.recurrent) {
+                n_head_kv.saturating_mul(k_len.saturating_add(v_len)).saturating_mul(2)
             } else {
                 0
             };
@@ -100,14 +118,14 @@ impl ModelMeta {
                 (None, Some(_)) => il % 2 == 0,
                 _ => false,
             };
-            let n = if swa { cells(self.n_ctx.min(window.unwrap_or(0) + 512)) } else { cells(self.n_ctx) };
-            kv += per_token * n;
+            let n = if swa { cells(self.n_ctx.min(window.unwrap_or(0).saturating_add(512))) } else { cells(self.n_ctx) };
+            kv = kv.saturating_add(per_token.saturating_mul(n));
         }
         let state = crate::growth::checkpoint_bytes(g);
         // Linear attention's prompt-batch buffers, touched by the warm-up
         // batch (measured on the generated hybrid models: 16 MiB more after load).
         let recurrent = if state > 0 { RECURRENT_BATCH_BYTES } else { 0 };
-        kv + state + recurrent + PROCESS_BASE_BYTES + PROCESS_BYTES_PER_TOKEN * self.n_vocab
+        kv.saturating_add(state).saturating_add(recurrent + PROCESS_BASE_BYTES).saturating_add(PROCESS_BYTES_PER_TOKEN.saturating_mul(self.n_vocab))
     }
 }
 

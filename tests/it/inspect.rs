@@ -105,3 +105,15 @@ fn inspect_matches_live_runs_of_each_family() {
         assert!(min_budget.abs_diff(measured + 16 * MIB + min_arena) <= 12 * MIB, "{family}: smallest budget {} MiB", min_budget / MIB);
     }
 }
+
+/// A file the fuzzer found (`gguf_file`): a model whose block_count is far
+/// beyond its tensors made the context estimate loop over every claimed
+/// layer (40 s). The estimate now walks the tensors that exist.
+#[test]
+fn inspect_is_quick_on_a_huge_block_count() {
+    let model = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/fuzz-inspect-huge-block-count.gguf");
+    let start = std::time::Instant::now();
+    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "--ram-budget", "8G"]).arg(&model), 60);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(start.elapsed() < std::time::Duration::from_secs(5), "inspect took {:?}", start.elapsed());
+}
