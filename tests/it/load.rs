@@ -30,11 +30,10 @@ fn complete(port: u16, prompt: &str, n: u32) -> String {
     v["content"].as_str().unwrap().to_string()
 }
 
-/// Like `drive`, for requests that may meet a failing disk: the number that
-/// failed, each with sdq's error naming the expert and layer.
-fn drive_through_faults(port: u16, prompts: &[String], n: u32, clients: usize) -> usize {
+/// Calls `request(i)` for every index of `prompts`, from `clients` threads
+/// at once, each taking the next index when it is done.
+fn for_each_concurrently(prompts: &[String], clients: usize, request: impl Fn(usize) + Sync) {
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let failed = std::sync::atomic::AtomicUsize::new(0);
     std::thread::scope(|s| {
         for _ in 0..clients {
             s.spawn(|| loop {
@@ -42,13 +41,22 @@ fn drive_through_faults(port: u16, prompts: &[String], n: u32, clients: usize) -
                 if i >= prompts.len() {
                     break;
                 }
-                let body = format!(r#"{{"prompt":"{}","n_predict":{n},"temperature":0,"cache_prompt":false}}"#, prompts[i]);
-                let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("request within its timeout");
-                if status != 200 {
-                    assert!(status == 500 && body.contains("of expert") && body.contains("of layer"), "{status}: {body}");
-                    failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                }
+                request(i);
             });
+        }
+    });
+}
+
+/// Like `drive`, for requests that may meet a failing disk: the number that
+/// failed, each with sdq's error naming the expert and layer.
+fn drive_through_faults(port: u16, prompts: &[String], n: u32, clients: usize) -> usize {
+    let failed = std::sync::atomic::AtomicUsize::new(0);
+    for_each_concurrently(prompts, clients, |i| {
+        let body = format!(r#"{{"prompt":"{}","n_predict":{n},"temperature":0,"cache_prompt":false}}"#, prompts[i]);
+        let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("request within its timeout");
+        if status != 200 {
+            assert!(status == 500 && body.contains("of expert") && body.contains("of layer"), "{status}: {body}");
+            failed.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         }
     });
     failed.into_inner()
@@ -56,19 +64,10 @@ fn drive_through_faults(port: u16, prompts: &[String], n: u32, clients: usize) -
 
 /// `prompts` sent by `clients` threads at once; responses in prompt order.
 fn drive(port: u16, prompts: &[String], n: u32, clients: usize) -> Vec<String> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
     let out = std::sync::Mutex::new(vec![String::new(); prompts.len()]);
-    std::thread::scope(|s| {
-        for _ in 0..clients {
-            s.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                if i >= prompts.len() {
-                    break;
-                }
-                let r = complete(port, &prompts[i], n);
-                out.lock().unwrap()[i] = r;
-            });
-        }
+    for_each_concurrently(prompts, clients, |i| {
+        let r = complete(port, &prompts[i], n);
+        out.lock().unwrap()[i] = r;
     });
     out.into_inner().unwrap()
 }
