@@ -111,7 +111,7 @@ fn meminfo(field: &str) -> Option<u64> {
     s.lines().find_map(|l| l.strip_prefix(field)?.strip_prefix(':')?.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).map(|k| k * KIB)
 }
 
-fn mem_available() -> Option<u64> {
+pub fn mem_available() -> Option<u64> {
     meminfo("MemAvailable")
 }
 

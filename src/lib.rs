@@ -26,6 +26,7 @@ pub mod moe;
 pub mod options;
 pub mod pager;
 pub mod preflight;
+pub mod pressure;
 pub mod replay;
 pub mod runtime;
 pub mod sys;

@@ -5,7 +5,10 @@
 //! run that fits is one that really fits. Where no memory cgroup is writable,
 //! the command runs unconfined and only its RSS is measured, and the report
 //! says so. Also: the memory limit that applies to this process, for
-//! `--ram-budget auto`.
+//! `--ram-budget auto` and the arena's pressure watch, and changing a
+//! running process's limit without the kernel killing it
+//! (`change_limit`: the soft limit first, so the process can give memory
+//! back before the hard limit falls).
 
 use crate::error::{Error, Result};
 use serde_json::{json, Value};
@@ -36,7 +39,12 @@ enum Version {
 
 /// This process's memory cgroup directory and its version.
 fn own_memory_cgroup() -> Option<(PathBuf, Version)> {
-    let text = fs::read_to_string("/proc/self/cgroup").ok()?;
+    memory_cgroup_of("self")
+}
+
+/// The memory cgroup directory of process `pid` ("self" or a number) and its version.
+fn memory_cgroup_of(pid: &str) -> Option<(PathBuf, Version)> {
+    let text = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
     if Path::new("/sys/fs/cgroup/cgroup.controllers").is_file() {
         let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
         return Some((Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/')), Version::V2));
@@ -58,7 +66,27 @@ fn keyed(path: &Path, key: &str) -> Option<u64> {
     fs::read_to_string(path).ok()?.lines().find_map(|l| l.strip_prefix(key)?.strip_prefix(' ')?.trim().parse().ok())
 }
 
-/// The tightest memory limit on this process's cgroup and its ancestors.
+/// A cgroup's hard memory limit (`memory.max` / `memory.limit_in_bytes`), if set.
+fn hard_limit(dir: &Path, v: Version) -> Option<u64> {
+    match v {
+        // v1 reports "no limit" as a huge page-rounded number
+        Version::V1 => read_u64(&dir.join("memory.limit_in_bytes")).filter(|&l| l < 1 << 60),
+        Version::V2 => read_u64(&dir.join("memory.max")), // "max" does not parse
+    }
+}
+
+/// A cgroup's soft limit (`memory.high` / `memory.soft_limit_in_bytes`), if
+/// set: past it the kernel throttles (v2) or reclaims first (v1), and
+/// `change_limit` sets it first to tell a process to shrink.
+fn soft_limit(dir: &Path, v: Version) -> Option<u64> {
+    match v {
+        Version::V1 => read_u64(&dir.join("memory.soft_limit_in_bytes")).filter(|&l| l < 1 << 60),
+        Version::V2 => read_u64(&dir.join("memory.high")),
+    }
+}
+
+/// The tightest memory limit, hard or soft, on this process's cgroup and
+/// its ancestors.
 pub fn cgroup_limit() -> Option<u64> {
     let (mut dir, v) = own_memory_cgroup()?;
     let root = match v {
@@ -67,18 +95,93 @@ pub fn cgroup_limit() -> Option<u64> {
     };
     let mut best: Option<u64> = None;
     loop {
-        let limit = match v {
-            // v1 reports "no limit" as a huge page-rounded number
-            Version::V1 => read_u64(&dir.join("memory.limit_in_bytes")).filter(|&l| l < 1 << 60),
-            Version::V2 => read_u64(&dir.join("memory.max")), // "max" does not parse
-        };
-        if let Some(l) = limit {
+        for l in [hard_limit(&dir, v), soft_limit(&dir, v)].into_iter().flatten() {
             best = Some(best.map_or(l, |b| b.min(l)));
         }
         if dir == root || !dir.pop() {
             return best;
         }
     }
+}
+
+/// Anonymous memory charged to a cgroup: what no reclaim can take (there
+/// is no swap), so what a lower hard limit must leave room for.
+fn anon_bytes(dir: &Path, v: Version) -> Option<u64> {
+    match v {
+        Version::V1 => keyed(&dir.join("memory.stat"), "total_rss").or_else(|| keyed(&dir.join("memory.stat"), "rss")),
+        Version::V2 => keyed(&dir.join("memory.stat"), "anon"),
+    }
+}
+
+/// Page cache and kernel memory the cgroup keeps under a lowered limit
+/// besides its anonymous memory: a hard limit is set only once anonymous
+/// memory is this far below it.
+const LOWER_MARGIN: u64 = 16 << 20;
+
+/// Sets the memory limit of process `pid`'s cgroup to `limit`, the way a
+/// running process survives. Lowering: the soft limit first; a process
+/// watching it (sdq's arena) gives memory back; once the cgroup's anonymous
+/// memory fits under `limit` (within `wait`), the hard limit follows (v1 and
+/// v2 no swap: the kernel reclaims page cache, then refuses (v1) or kills
+/// (v2) rather than take anonymous memory). Raising: the hard limit first,
+/// then the soft one. Returns a report; errors name the cgroup and figures,
+/// and leave the old limits in place.
+pub fn change_limit(pid: u32, limit: u64, wait: std::time::Duration) -> Result<Value> {
+    let (dir, v) = memory_cgroup_of(&pid.to_string()).ok_or_else(|| Error::invalid(format!("process {pid}: no memory cgroup in /proc/{pid}/cgroup")))?;
+    let started = Instant::now();
+    let old_hard = hard_limit(&dir, v);
+    let old_soft = soft_limit(&dir, v);
+    let write = |file: &str, value: &str| -> Result<()> {
+        fs::write(dir.join(file), value).map_err(|e| Error::io(format!("cannot set {file} = {value} in"), &dir, e))
+    };
+    let (hard, soft): (&[&str], &str) = match v {
+        // memory+swap must stay at least memory: lowered after, raised before it.
+        Version::V1 => (&["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"], "memory.soft_limit_in_bytes"),
+        Version::V2 => (&["memory.max"], "memory.high"),
+    };
+    let hard: Vec<&str> = hard.iter().copied().filter(|f| dir.join(f).exists()).collect();
+    let value = limit.to_string();
+    let anon_before = anon_bytes(&dir, v);
+    let lowering = old_hard.map_or(true, |h| limit < h);
+    if lowering {
+        write(soft, &value)?;
+        let fits = || anon_bytes(&dir, v).is_some_and(|a| a + LOWER_MARGIN <= limit);
+        while !fits() && started.elapsed() < wait {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let mut set = Ok(());
+        for f in &hard {
+            set = write(f, &value);
+            if set.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = set {
+            let restore = old_soft.map_or_else(|| "-1".to_string(), |s| s.to_string());
+            let restore = if v == Version::V2 && old_soft.is_none() { "max".to_string() } else { restore };
+            let _ = write(soft, &restore);
+            return Err(Error::invalid(format!(
+                "{e}: process {pid} still holds {} of anonymous memory after {:.1} s (the limit asked for is {}); the old limits stay",
+                crate::budget::human(anon_bytes(&dir, v).unwrap_or(0)),
+                started.elapsed().as_secs_f64(),
+                crate::budget::human(limit)
+            )));
+        }
+    } else {
+        for f in hard.iter().rev() {
+            write(f, &value)?;
+        }
+        write(soft, &value)?;
+    }
+    Ok(json!({
+        "pid": pid,
+        "cgroup": dir.display().to_string(),
+        "old_limit_bytes": old_hard,
+        "limit_bytes": limit,
+        "anon_before_bytes": anon_before,
+        "anon_after_bytes": anon_bytes(&dir, v),
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
 }
 
 /// A memory cgroup this runner created; removed when dropped.

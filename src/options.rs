@@ -15,6 +15,8 @@ use std::path::PathBuf;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Options {
     pub budget: Option<u64>,
+    /// The budget is `auto`: the arena also yields to falling MemAvailable.
+    pub budget_auto: bool,
     pub reserve: Option<u64>,
     pub stats_file: Option<PathBuf>,
     /// Faults to inject into expert reads (`SDQ_FAULT_READ`, for tests).
@@ -82,9 +84,13 @@ fn size_of(flag: &str, value: &str) -> Result<u64> {
     parse_size(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
 }
 
+fn is_auto(value: &str) -> bool {
+    value.trim().eq_ignore_ascii_case("auto")
+}
+
 /// A budget value: a size, or `auto` (what this process may use, see `auto_budget`).
 fn budget_of(flag: &str, value: &str) -> Result<u64> {
-    if value.trim().eq_ignore_ascii_case("auto") {
+    if is_auto(value) {
         let (bytes, source) = crate::budget::auto_budget().ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
         eprintln!("sdq: {flag} auto = {} ({source})", crate::budget::human(bytes));
         return Ok(bytes);
@@ -119,6 +125,7 @@ impl Options {
         let mut o = Options::default();
         if let Some(v) = env("SDQ_RAM_BUDGET").filter(|v| !v.is_empty()) {
             o.budget = Some(budget_of("SDQ_RAM_BUDGET", &v)?);
+            o.budget_auto = is_auto(&v);
         }
         if let Some(v) = env("SDQ_RESERVE_MB").filter(|v| !v.is_empty()) {
             o.reserve = Some(mib_of("SDQ_RESERVE_MB", &v)?);
@@ -190,8 +197,14 @@ impl Options {
                     .ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
             };
             match flag.as_str() {
-                "--ram-budget" => o.budget = Some(budget_of(&flag, &value)?),
-                "--ram-budget-mb" => o.budget = Some(mib_of(&flag, &value)?),
+                "--ram-budget" => {
+                    o.budget = Some(budget_of(&flag, &value)?);
+                    o.budget_auto = is_auto(&value);
+                }
+                "--ram-budget-mb" => {
+                    o.budget = Some(mib_of(&flag, &value)?);
+                    o.budget_auto = false;
+                }
                 "--sdq-reserve" => o.reserve = Some(size_of(&flag, &value)?),
                 "--sdq-policy" => o.policy = Some(policy_of(&flag, &value)?),
                 "--sdq-trace" => o.trace_file = Some(PathBuf::from(value)),

@@ -75,6 +75,8 @@ pub struct Runtime {
     hotset: Option<HotSet>,
     /// Experts the hot set listed for reading at start.
     warm_listed: AtomicU64,
+    /// The arena's size under memory pressure (from the pager's creation).
+    watch: Mutex<Option<crate::pressure::Watch>>,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -104,6 +106,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         trace,
         hotset,
         warm_listed: AtomicU64::new(0),
+        watch: Mutex::new(None),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -111,6 +114,9 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
             for tick in 1u64.. {
                 if let Some(rt) = RUNTIME.get() {
                     rt.sample_memory();
+                    if tick % 5 == 0 {
+                        rt.watch_room();
+                    }
                     // A snapshot each second: a run that ends without exit
                     // handlers (Ctrl-C in llama-completion calls _exit) still
                     // leaves a stats file, at most a second old.
@@ -406,6 +412,18 @@ impl Runtime {
         counter.fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Fits the arena to the room the process has now (see `pressure`),
+    /// once the pager exists.
+    fn watch_room(&self) {
+        let Some((pager, plan)) = self.pager.get() else { return };
+        let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+        let w = watch.get_or_insert_with(|| {
+            let bounds = crate::pressure::Plan { budget: self.budget, arena: plan.arena_bytes, min_arena: pager.layout().min_arena_bytes(plan.top_k) };
+            crate::pressure::Watch::new(bounds, self.options.budget_auto)
+        });
+        w.poll(pager, plan.top_k);
+    }
+
     fn sample_memory(&self) {
         let m = ProcMemory::read();
         self.peak_rss_anon.fetch_max(m.rss_anon, Ordering::Relaxed);
@@ -513,7 +531,17 @@ impl Runtime {
             o.insert("reserve_bytes".into(), json!(plan.reserve));
             o.insert("rss_anon_after_load_bytes".into(), json!(plan.rss_anon_at_start));
             o.insert("mapped_weight_bytes".into(), json!(plan.mapped_weight_bytes));
-            o.insert("arena_bytes".into(), json!(plan.arena_bytes));
+            // The arena's size now: its plan unless memory pressure took
+            // some back (see `pressure`), the slots it may fill, and its changes.
+            let watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
+            o.insert("arena_bytes".into(), json!(watch.as_ref().map_or(plan.arena_bytes, |w| w.arena)));
+            o.insert("arena_planned_bytes".into(), json!(plan.arena_bytes));
+            o.insert("arena_slot_bytes".into(), json!(pager.arena_bytes_in_use()));
+            o.insert("arena_smallest_bytes".into(), json!(watch.as_ref().map_or(plan.arena_bytes, |w| w.smallest)));
+            o.insert("arena_shrinks".into(), json!(watch.as_ref().map_or(0, |w| w.shrinks)));
+            o.insert("arena_grows".into(), json!(watch.as_ref().map_or(0, |w| w.grows)));
+            o.insert("room_bytes".into(), json!(watch.as_ref().map_or(self.budget, |w| w.room)));
+            drop(watch);
             o.insert("load_seconds".into(), json!(plan.load_seconds));
             o.insert("top_k".into(), json!(plan.top_k));
             // Paged tensors by the layout their experts take in the arena
@@ -542,7 +570,8 @@ impl Runtime {
                     .slots
                     .iter()
                     .zip(&layers_per_class)
-                    .map(|(&(bytes, slots), &layers)| json!({ "expert_bytes": bytes, "slots": slots, "layers": layers }))
+                    .zip(pager.slots_in_use())
+                    .map(|((&(bytes, slots), &layers), in_use)| json!({ "expert_bytes": bytes, "slots": slots, "slots_in_use": in_use, "layers": layers }))
                     .collect::<Vec<_>>()),
             );
             o.insert(

@@ -24,7 +24,7 @@ enum Command {
     Inspect(InspectArgs),
     /// Run a command inside an enforced memory limit (a memory cgroup with no
     /// swap, page cache counted) and report peak usage, OOM kills, major
-    /// faults and swap.
+    /// faults and swap; or, with --pid, change a running process's limit.
     Limit(LimitArgs),
     /// Greedy decoding through llama.h, printing tokens and text as JSON and
     /// optionally the final logits (to compare a budgeted run with stock).
@@ -90,13 +90,33 @@ struct LimitArgs {
     /// Write the report as JSON here (default: stderr).
     #[arg(long)]
     report: Option<PathBuf>,
+    /// Change the limit of this running process's memory cgroup instead
+    /// (e.g. one `sdq limit -- CMD` made): lowering sets the soft limit
+    /// first and the hard one once the process has given memory back.
+    #[arg(long, conflicts_with = "command")]
+    pid: Option<u32>,
+    /// With --pid: how long the process has to give memory back.
+    #[arg(long, default_value_t = 30.0, requires = "pid")]
+    wait: f64,
     /// The command and its arguments.
-    #[arg(trailing_var_arg = true, required = true)]
+    #[arg(trailing_var_arg = true, required_unless_present = "pid")]
     command: Vec<String>,
 }
 
 fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
     let bytes = sdq::budget::parse_size(&a.memory).map_err(|e| sdq::Error::invalid(format!("--memory: {e}")))?;
+    if let Some(pid) = a.pid {
+        if !(0.0..=3600.0).contains(&a.wait) {
+            return Err(sdq::Error::invalid(format!("--wait: {} is not 0 to 3600 seconds", a.wait)));
+        }
+        let r = sdq::limit::change_limit(pid, bytes, std::time::Duration::from_secs_f64(a.wait))?;
+        let text = serde_json::to_string_pretty(&r).expect("serialize");
+        match &a.report {
+            Some(p) => std::fs::write(p, text + "\n").map_err(|e| sdq::Error::io("cannot write", p, e))?,
+            None => eprintln!("{text}"),
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     let r = sdq::limit::run_limited(bytes, &a.command)?;
     let text = serde_json::to_string_pretty(&r).expect("serialize");
     match &a.report {

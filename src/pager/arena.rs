@@ -125,6 +125,33 @@ impl Arena {
         Ok(())
     }
 
+    /// Gives the pages of slots `ids` (consecutive, of one class) back to
+    /// the kernel: their memory is freed at once, and they read as zeros
+    /// until filled again. The mapping stays; a later fill faults pages in.
+    ///
+    /// # Safety
+    /// No one may read or write these slots while this runs, nor rely on
+    /// their contents afterwards (the pager calls it, under its lock, for
+    /// slots that are retired, unpinned and hold no expert).
+    pub unsafe fn discard(&self, ids: std::ops::Range<SlotId>) -> io::Result<()> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let c = &self.classes[self.class_of(ids.start)];
+        assert!(ids.end <= c.first + c.count, "slots {ids:?} span more than one class");
+        let off = c.offset + (ids.start - c.first) * c.slot_bytes;
+        let len = ids.len() * c.slot_bytes;
+        // SAFETY: the range lies inside the live mapping (class layout);
+        // MADV_DONTNEED on private anonymous memory frees the pages and
+        // leaves the mapping valid (zero-filled on next touch); the caller
+        // guarantees no one uses these bytes.
+        let r = unsafe { libc::madvise(self.base.as_ptr().add(off).cast(), len, libc::MADV_DONTNEED) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// Total bytes mapped.
     pub fn len(&self) -> usize {
         self.len
@@ -228,6 +255,22 @@ mod tests {
                 assert!(a.slot(id).iter().all(|&b| b == id as u8 + 1), "slot {id} overwritten");
             }
             assert_eq!(a.slot(4).len(), 100);
+        }
+    }
+
+    #[test]
+    fn discarded_slots_read_as_zeros_and_others_keep_their_bytes() {
+        let a = Arena::new(&[(5000, 3)]).unwrap();
+        // SAFETY: single-threaded test; nothing uses slots 1..3 while they are discarded.
+        unsafe {
+            for id in 0..3 {
+                a.slot_mut(id).fill(7);
+            }
+            a.discard(1..3).unwrap();
+            assert!(a.slot(0).iter().all(|&b| b == 7));
+            assert!(a.slot(1).iter().chain(a.slot(2)).all(|&b| b == 0));
+            a.slot_mut(2).fill(9);
+            assert!(a.slot(2).iter().all(|&b| b == 9));
         }
     }
 }

@@ -118,7 +118,7 @@ impl FaultPlan {
         let &PlannedFault { fault, times, .. } = self.at.iter().find(|p| p.read == read || p.onward && read >= p.read)?;
         let hits = match fault {
             Fault::Eintr | Fault::Short => attempt == 0,
-            Fault::Eio | Fault::Eof => times.is_none_or(|k| attempt < k),
+            Fault::Eio | Fault::Eof => times.map_or(true, |k| attempt < k),
         };
         hits.then_some(fault)
     }

@@ -13,7 +13,10 @@
 //! - a slot being filled is pinned by its loader, so it is never chosen as a
 //!   victim, and nobody else reads or writes it;
 //! - a failed read removes the key and frees the slot: stale bytes are never
-//!   published; the error is kept, and every acquire of that expert returns it.
+//!   published; the acquire that started the read gets the error, and any
+//!   other use of that expert reads it again;
+//! - a retired slot (`set_slots`, memory pressure) is never given to an
+//!   expert; once unpinned it holds none and its pages are the kernel's.
 
 pub mod arena;
 pub mod io;
@@ -56,6 +59,9 @@ struct Slot {
     /// acquire evicts it only when nothing else is free, since the batch
     /// would then read it again.
     awaiting: bool,
+    /// Beyond its class's slots in use (`Pager::set_slots`): never given to
+    /// an expert; its pages go back to the kernel once it is unpinned.
+    retired: bool,
 }
 
 /// Counts of one layer. A *use* is one expert needed by one batch: `prepare`
@@ -103,6 +109,17 @@ struct State {
     batch_totals: (u64, u64, u64),
     /// Experts a warm start has read (or is reading).
     warm_read: u64,
+    /// Slots of each class in use: the first `in_use[c]` of class c; the
+    /// rest are retired (memory given back under pressure).
+    in_use: Vec<usize>,
+}
+
+impl State {
+    /// The slots of `class` that experts may take.
+    fn usable(&self, arena: &Arena, class: usize) -> std::ops::Range<SlotId> {
+        let first = arena.classes()[class].first;
+        first..first + self.in_use[class]
+    }
 }
 
 /// Figures the pager has gathered so far.
@@ -287,6 +304,7 @@ impl Pager {
             next_batch: 0,
             batch_totals: (0, 0, 0),
             warm_read: 0,
+            in_use: slots.to_vec(),
         };
         let shared = Arc::new(Shared {
             layout,
@@ -361,9 +379,9 @@ impl Pager {
             self.layer(layer, e)?;
         }
         let ll = &sh.layout.layers[&layer];
-        let class = sh.arena.classes()[ll.class].slots();
         let mut jobs = Vec::new();
         let mut st = sh.lock();
+        let class = st.usable(&sh.arena, ll.class);
         let admission = {
             let State { slots, res, .. } = &mut *st;
             // Slots still pinned belong to reads in flight (prefetches).
@@ -409,9 +427,9 @@ impl Pager {
     pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
         let sh = &*self.shared;
         let Some(ll) = sh.layout.layers.get(&layer) else { return };
-        let class = sh.arena.classes()[ll.class].slots();
         let mut jobs = Vec::new();
         let mut st = sh.lock();
+        let class = st.usable(&sh.arena, ll.class);
         for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
             if st.res.slot_of((layer, e)).is_some() {
                 continue;
@@ -440,11 +458,8 @@ impl Pager {
     pub fn preload(&self) -> usize {
         let sh = &*self.shared;
         let mut st = sh.lock();
-        let mut free: Vec<std::collections::VecDeque<SlotId>> = sh
-            .arena
-            .classes()
-            .iter()
-            .map(|c| c.slots().filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
+        let mut free: Vec<std::collections::VecDeque<SlotId>> = (0..sh.arena.classes().len())
+            .map(|c| st.usable(&sh.arena, c).filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
             .collect();
         let mut jobs = Vec::new();
         let mut queued = 0;
@@ -481,7 +496,7 @@ impl Pager {
         let count: HashMap<ExpertKey, f64> = counts.iter().copied().collect();
         let mut wanted: Vec<ExpertKey> = held.iter().copied().filter(|k| sh.layout.layers.get(&k.0).is_some_and(|l| k.1 < l.n_expert)).collect();
         wanted.sort_by(|a, b| count.get(b).unwrap_or(&0.0).total_cmp(count.get(a).unwrap_or(&0.0)).then(a.cmp(b)));
-        let mut room: Vec<usize> = sh.arena.classes().iter().map(|c| c.slots().filter(|&s| st.res.key(s).is_none()).count()).collect();
+        let mut room: Vec<usize> = (0..sh.arena.classes().len()).map(|c| st.usable(&sh.arena, c).filter(|&s| st.res.key(s).is_none()).count()).collect();
         wanted.retain(|&k| {
             let class = sh.layout.layers[&k.0].class;
             let fits = st.res.slot_of(k).is_none() && room[class] > 0;
@@ -545,7 +560,6 @@ impl Pager {
         let sh = &*self.shared;
         let ll = self.layer(layer, expert)?;
         let key = (layer, expert);
-        let class = sh.arena.classes()[ll.class].slots();
         let mut st = sh.lock();
         // Failures numbered up to here happened before this acquire.
         let seen = st.failures;
@@ -567,6 +581,8 @@ impl Pager {
                 st = sh.wait(st);
                 continue;
             }
+            // The slots in use may change while this waits (`set_slots`).
+            let class = st.usable(&sh.arena, ll.class);
             // A slot a batch is still waiting to use goes last: evicting it
             // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
@@ -600,6 +616,44 @@ impl Pager {
                 None => st = sh.wait(st),
             }
         }
+    }
+
+    /// Sets how many slots of each class experts may use: at most what the
+    /// arena was made with, at least one layer's top-k (`min`). Slots past
+    /// the new count are retired: each gives its memory back to the kernel
+    /// at once, or when its last pin is dropped (an expert being computed or
+    /// read is never taken away); its expert is read again on its next use.
+    /// Slots brought back into use start empty. Returns the slot bytes in use.
+    pub fn set_slots(&self, counts: &[usize], min: usize) -> u64 {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        for (c, class) in sh.arena.classes().iter().enumerate() {
+            let want = counts.get(c).copied().unwrap_or(class.count).clamp(min.min(class.count), class.count);
+            let had = st.in_use[c];
+            st.in_use[c] = want;
+            for slot in class.first + want.min(had)..class.first + want.max(had) {
+                st.slots[slot].retired = want < had;
+                sh.settle(&mut st, slot);
+            }
+        }
+        let bytes = Self::bytes_in_use(&sh.arena, &st.in_use);
+        drop(st);
+        sh.changed.notify_all();
+        bytes
+    }
+
+    /// Bytes of the slots experts may use (see `set_slots`).
+    pub fn arena_bytes_in_use(&self) -> u64 {
+        Self::bytes_in_use(&self.shared.arena, &self.shared.lock().in_use)
+    }
+
+    /// Slots of each class experts may use (see `set_slots`).
+    pub fn slots_in_use(&self) -> Vec<usize> {
+        self.shared.lock().in_use.clone()
+    }
+
+    fn bytes_in_use(arena: &Arena, in_use: &[usize]) -> u64 {
+        arena.classes().iter().zip(in_use).map(|(c, &n)| (c.slot_bytes * n) as u64).sum()
     }
 
     /// Counts so far.
@@ -660,6 +714,7 @@ impl Shared {
                 st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
             }
         }
+        debug_assert!(!st.slots[slot].retired, "slot {slot} is retired");
         st.slots[slot] = Slot {
             pins: 1,
             ready: false,
@@ -670,6 +725,7 @@ impl Shared {
             keep_pin,
             prefetched: false,
             awaiting: false,
+            retired: false,
         };
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
     }
@@ -724,10 +780,19 @@ impl Shared {
                 if self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed {
                     return;
                 }
-                if let Err(e) = self.arena.populate_slot(c.first + i) {
+                let slot = c.first + i;
+                if self.lock().slots[slot].retired {
+                    continue;
+                }
+                if let Err(e) = self.arena.populate_slot(slot) {
                     // Kernels before 5.14 lack MADV_POPULATE_WRITE: slots fault on first use.
                     log::info!("arena not populated ahead of use: {e}");
                     return;
+                }
+                // Retired meanwhile: the pages just faulted in go back too.
+                let mut st = self.lock();
+                if st.slots[slot].retired {
+                    self.settle(&mut st, slot);
                 }
             }
         }
@@ -754,7 +819,7 @@ impl Shared {
             if st.res.slot_of(key).is_some() {
                 return;
             }
-            let Some(slot) = self.arena.classes()[ll.class].slots().find(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0) else { return };
+            let Some(slot) = st.usable(&self.arena, ll.class).find(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0) else { return };
             let evicted = st.res.fill(slot, key);
             let jobs = self.start_load(&mut st, slot, ll, key.1, evicted, false);
             st.slots[slot].prefetched = true;
@@ -886,13 +951,15 @@ impl Shared {
         let (failed, started) = (s.failed, s.started.take());
         if failed {
             st.res.clear(job.slot);
-            st.slots[job.slot] = Slot::default();
+            st.slots[job.slot] = Slot { retired: st.slots[job.slot].retired, ..Slot::default() };
+            self.settle(&mut st, job.slot);
         } else {
             let s = &mut st.slots[job.slot];
             s.ready = true;
             if !s.keep_pin {
                 s.pins -= 1;
             }
+            self.settle(&mut st, job.slot);
             let ll = &self.layout.layers[&job.layer];
             st.bytes_read += ll.expert_bytes as u64;
             st.device_bytes += ll.parts.iter().map(|p| p.read_len(job.expert) as u64).sum::<u64>();
@@ -902,12 +969,37 @@ impl Shared {
         self.changed.notify_all();
     }
 
+    /// Gives a retired slot's memory back once nothing pins it: the expert
+    /// it holds leaves the residency (a later use reads it again into a
+    /// slot in use) and its pages go to the kernel. Nothing for other slots.
+    fn settle(&self, st: &mut State, slot: SlotId) {
+        let s = st.slots[slot];
+        if !s.retired || s.pins > 0 {
+            return;
+        }
+        if let Some(old) = st.res.key(slot) {
+            if s.prefetched {
+                st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
+            }
+            st.res.clear(slot);
+        }
+        st.slots[slot] = Slot { retired: true, ..Slot::default() };
+        // SAFETY: the slot is retired (no victim choice or free-slot search
+        // takes it), unpinned (no reader, no load) and holds no expert (no
+        // lookup finds it); the state lock is held, so none of that changes
+        // before the pages are gone.
+        if let Err(e) = unsafe { self.arena.discard(slot..slot + 1) } {
+            log::warn!("could not give slot {slot}'s memory back: {e}");
+        }
+    }
+
     fn release(&self, slot: SlotId) {
         let mut st = self.lock();
         let s = &mut st.slots[slot];
         assert!(s.pins > 0, "release of an unpinned slot {slot}");
         s.pins -= 1;
         let free = s.pins == 0;
+        self.settle(&mut st, slot);
         drop(st);
         if free {
             self.changed.notify_all();

@@ -5,18 +5,15 @@
 //! must finish within its timeout, and over a 1,000-request soak the server's
 //! anonymous RSS and open file descriptors must stay flat, through a stretch
 //! in the middle where every read fails (those requests get sdq's error;
-//! every one after it is answered).
+//! every one after it is answered) and, later, a memory limit lowered below
+//! the budget and raised again (the arena shrinks and grows back, every
+//! request is answered, nothing is OOM-killed).
 
 use crate::util::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 
 const CLIENTS: usize = 16;
-
-fn rss_anon(pid: u32) -> u64 {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    s.lines().find_map(|l| l.strip_prefix("RssAnon:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).unwrap() * 1024
-}
 
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap().count()
@@ -124,11 +121,19 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     let failing_disk = scratch().join("soak-disk-fails");
     let _ = std::fs::remove_file(&failing_disk);
     let faults = format!("eio-while={}", failing_disk.display());
-    let (server, port) = start_server_env(
-        &[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
-        &[PLAIN, ("SDQ_FAULT_READ", &faults), ("SDQ_READ_BACKOFF_MS", "1")],
-    );
-    let pid = server.0.id();
+    let args = [&common[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat();
+    let env = [PLAIN, ("SDQ_FAULT_READ", &faults), ("SDQ_READ_BACKOFF_MS", "1")];
+    // In a memory cgroup (64 MiB over the budget, so the budget is what
+    // binds) where one can be made, for the limit change below.
+    let budget_bytes: u64 = budget.parse().unwrap();
+    let log = scratch().join("server-soak.log");
+    let limited = start_server_limited(&(budget_bytes + (64 << 20)).to_string(), &args, &env, &log);
+    let unconfined = if limited.is_none() { Some(start_server_env(&args, &env)) } else { None };
+    let (pid, port) = match (&limited, &unconfined) {
+        (Some(s), _) => (s.pid, s.port),
+        (None, Some((server, port))) => (server.0.id(), *port),
+        (None, None) => unreachable!("one server or the other"),
+    };
     let paged = drive(port, &first, 12, CLIENTS);
     // Stock itself flips a few near-ties from run to run under concurrency
     // (3 or 4 of these 64 prompts in one test, up to 3 between two runs even
@@ -143,16 +148,32 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     // 100 against the end.
     let soak = prompts(936);
     drive(port, &soak[..36], 4, CLIENTS);
-    let (rss_before, fds_before) = (rss_anon(pid), open_fds(pid));
+    let (rss_before, fds_before) = (rss_anon_of(pid), open_fds(pid));
     let started = Instant::now();
     drive(port, &soak[36..436], 4, CLIENTS);
     std::fs::write(&failing_disk, b"").unwrap();
     let failed = drive_through_faults(port, &soak[436..468], 4, CLIENTS);
     std::fs::remove_file(&failing_disk).unwrap();
     assert!(failed > 0, "no request failed while every read failed");
-    // Every request after the failing stretch is answered (drive asserts it).
-    drive(port, &soak[468..], 4, CLIENTS);
-    let (rss_after, fds_after) = (rss_anon(pid), open_fds(pid));
+    // Every request after the failing stretch is answered (drive asserts
+    // it), also while the limit falls 16 MiB below the budget (more than
+    // the arena's 2 MiB over its minimum: it shrinks to one layer's top-k)
+    // and when it is raised again.
+    drive(port, &soak[468..600], 4, CLIENTS);
+    let change = |limit: u64, range: std::ops::Range<usize>| {
+        std::thread::scope(|sc| {
+            let requests = sc.spawn(|| drive(port, &soak[range], 4, CLIENTS));
+            std::thread::sleep(Duration::from_millis(200));
+            if limited.is_some() {
+                set_limit(pid, limit);
+            }
+            requests.join().unwrap();
+        })
+    };
+    change(budget_bytes - (16 << 20), 600..700);
+    change(budget_bytes + (64 << 20), 700..800);
+    drive(port, &soak[800..], 4, CLIENTS);
+    let (rss_after, fds_after) = (rss_anon_of(pid), open_fds(pid));
     let drift = rss_after as i64 - rss_before as i64;
     eprintln!(
         "soak: 900 requests in {:.1} s, {failed} of 32 failed while the disk failed; RssAnon {} -> {} bytes (drift {drift}); fds {fds_before} -> {fds_after}",
@@ -166,4 +187,12 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert!(u(&s, "misses") > u(&s, "hits") / 4, "the arena was not under pressure: {s}");
     assert!(u(&s, "read_failures") > 0, "{s}");
+    if let Some(server) = limited {
+        let s = stats_when(&stats, 10, "the limit change counted", |s| u(s, "arena_grows") >= 1);
+        assert_eq!((u(&s, "arena_shrinks"), u(&s, "arena_grows")), (1, 1), "{s}");
+        assert!(u(&s, "arena_smallest_bytes") < u(&s, "arena_planned_bytes"), "{s}");
+        let report = server.stop();
+        assert_eq!(report["oom_kills"], 0, "{report}");
+        assert_eq!(report["swap_bytes"], 0, "{report}");
+    }
 }

@@ -214,3 +214,86 @@ fn a_failed_read_fails_its_batch_and_the_server_goes_on() {
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("the batch is abandoned") && !text.contains("panicked"), "{text}");
 }
+
+/// A greedy completion (`top_k` 1) of `n` tokens with no prompt cache.
+fn greedy(port: u16, prompt: &str, n: u32) -> String {
+    let body = format!(r#"{{"prompt":"{prompt}","n_predict":{n},"top_k":1,"temperature":0,"cache_prompt":false}}"#);
+    let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("request within its timeout");
+    assert_eq!(status, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    v["content"].as_str().unwrap().to_string()
+}
+
+#[test]
+fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() {
+    // 1.8 GiB of routed experts (4 layers of 256 experts top-8, 1.9 MB
+    // each), so that a 2 GiB limit gives an arena of more than a GiB.
+    let model = gen_model("wide-experts.gguf", &["--layers", "4", "--n-embd", "1024", "--experts", "256", "--top-k", "8", "--expert-ff", "1024"]);
+    let model = model.to_str().unwrap();
+    let common = ["-m", model, "-c", "1024", "-np", "1", "-t", "2", "--no-warmup"];
+    let words = ["river", "lamp", "harbour", "apple", "letter", "stone", "garden", "bridge", "winter", "engine"];
+    let prompts: Vec<String> = (0..10).map(|i| format!("The {} by the {}", words[i], words[(i * 3 + 1) % 10])).collect();
+    let stock: Vec<String> = {
+        let (_server, port) = start_server(&common);
+        prompts.iter().map(|p| greedy(port, p, 8)).collect()
+    };
+
+    let stats = scratch().join("server-pressure.json");
+    let _ = std::fs::remove_file(&stats);
+    let log = scratch().join("server-pressure.log");
+    let Some(server) = start_server_limited("2G", &[&common[..], &["--ram-budget", "auto", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[], &log) else {
+        return;
+    };
+    let (pid, port) = (server.pid, server.port);
+    let mut answers: Vec<String> = prompts[..2].iter().map(|p| greedy(port, p, 8)).collect();
+    let s = stats_when(&stats, 30, "the pager's first figures", |s| s["paged"] == true);
+    assert_eq!(u(&s, "budget_bytes"), 2 << 30, "auto did not take the cgroup's limit: {s}");
+    let planned = u(&s, "arena_planned_bytes");
+    let min_arena: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "expert_bytes").div_ceil(4096) * 4096 * u(&s, "top_k")).sum();
+    assert!(planned > (5 << 30) / 4, "the arena is too small for this test: {s}");
+
+    // Lowered by 1 GiB while a request is being answered: the arena gives
+    // a GiB back and the process fits under the new limit.
+    let lowered = std::thread::scope(|sc| {
+        let client = sc.spawn(|| prompts[2..4].iter().map(|p| greedy(port, p, 8)).collect::<Vec<_>>());
+        std::thread::sleep(Duration::from_millis(300));
+        let r = set_limit(pid, 1 << 30);
+        answers.extend(client.join().unwrap());
+        r
+    });
+    let figures = |what: &str, r: &Value| eprintln!("{what}: cgroup anonymous memory {} -> {} bytes, limit set after {:.2} s", r["anon_before_bytes"], r["anon_after_bytes"], r["seconds"]);
+    figures("2 GiB -> 1 GiB", &lowered);
+    assert!(lowered["anon_after_bytes"].as_u64().unwrap() + (16 << 20) <= 1 << 30, "{lowered}");
+    let s = stats_when(&stats, 10, "arena down by 1 GiB", |s| u(s, "arena_shrinks") >= 1);
+    assert_eq!(u(&s, "arena_bytes"), planned - (1 << 30), "{s}");
+    assert!(u(&s, "arena_slot_bytes") <= planned - (1 << 30), "{s}");
+    assert!(rss_anon_of(pid) <= 1 << 30, "RssAnon {} over the lowered limit", rss_anon_of(pid));
+    answers.extend(prompts[4..6].iter().map(|p| greedy(port, p, 8)));
+
+    // Lowered by more than the arena holds: down to one layer's top-k.
+    let tight = (2 << 30) - planned - (16 << 20);
+    figures(&format!("1 GiB -> {tight}"), &set_limit(pid, tight));
+    let s = stats_when(&stats, 10, "arena at its minimum", |s| u(s, "arena_shrinks") >= 2);
+    assert_eq!(u(&s, "arena_slot_bytes"), min_arena, "{s}");
+    assert!(rss_anon_of(pid) <= tight, "RssAnon {} over the limit {tight}", rss_anon_of(pid));
+    answers.extend(prompts[6..8].iter().map(|p| greedy(port, p, 8)));
+
+    // Raised again: the arena grows back to its plan, and fills as it is used.
+    figures("raised to 2 GiB", &set_limit(pid, 2 << 30));
+    let s = stats_when(&stats, 10, "arena grown back", |s| u(s, "arena_grows") >= 1);
+    assert_eq!(u(&s, "arena_bytes"), planned, "{s}");
+    answers.extend(prompts[8..].iter().map(|p| greedy(port, p, 8)));
+
+    let report = server.stop();
+    assert_eq!(report["oom_kills"], 0, "{report}");
+    assert_eq!(report["swap_bytes"], 0, "{report}");
+    for (i, (a, b)) in answers.iter().zip(&stock).enumerate() {
+        assert_eq!(a, b, "prompt {i} ({}) answered differently from stock", prompts[i]);
+    }
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert_eq!((u(&s, "arena_shrinks"), u(&s, "arena_grows")), (2, 1), "{s}");
+    assert_eq!(u(&s, "arena_smallest_bytes"), min_arena, "{s}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(text.matches("the expert arena gives back").count(), 2, "one notice per change:\n{text}");
+    assert_eq!(text.matches("the expert arena grows to").count(), 1, "{text}");
+}

@@ -202,3 +202,119 @@ pub fn sanitized() -> bool {
 pub fn budget_mib(mib: u64) -> String {
     ((mib + if sanitized() { 128 } else { 0 }) << 20).to_string()
 }
+
+/// llama-server run by `sdq limit --memory LIMIT` (a memory cgroup, no
+/// swap). Dropped: the server is killed and the runner reaped.
+pub struct LimitedServer {
+    runner: Child,
+    /// The server's pid (the runner's child).
+    pub pid: u32,
+    pub port: u16,
+    /// The runner's report (peak, OOM kills, swap), written when it exits.
+    pub report: PathBuf,
+}
+
+impl LimitedServer {
+    /// Stops the server with SIGINT (its clean shutdown) and returns the runner's report.
+    pub fn stop(mut self) -> serde_json::Value {
+        // SAFETY: signalling our own grandchild by its pid, which is alive
+        // (its parent, the runner, has not reaped it).
+        unsafe { libc::kill(self.pid as i32, libc::SIGINT) };
+        let start = Instant::now();
+        while self.runner.try_wait().unwrap().is_none() {
+            assert!(start.elapsed() < Duration::from_secs(30), "llama-server did not stop within 30 s of SIGINT");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        serde_json::from_str(&std::fs::read_to_string(&self.report).unwrap()).unwrap()
+    }
+}
+
+impl Drop for LimitedServer {
+    fn drop(&mut self) {
+        if self.runner.try_wait().ok().flatten().is_none() {
+            // SAFETY: as in stop(); the runner then exits and removes its cgroup.
+            unsafe { libc::kill(self.pid as i32, libc::SIGKILL) };
+            let _ = self.runner.wait();
+        }
+    }
+}
+
+/// Starts llama-server with `args` inside `sdq limit --memory LIMIT` and
+/// waits until /health is 200; None (with a printed reason) where no
+/// memory cgroup can be made here.
+pub fn start_server_limited(limit: &str, args: &[&str], env: &[(&str, &str)], log: &Path) -> Option<LimitedServer> {
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let port = free_port();
+    let report = scratch().join(format!("limit-server-{}.json", RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
+    let _ = std::fs::remove_file(&report);
+    let runner = Command::new(bin("sdq"))
+        .args(["limit", "--memory", limit, "--report", report.to_str().unwrap(), "--"])
+        .arg(bin("llama-server"))
+        .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+        .args(args)
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
+        .spawn()
+        .unwrap();
+    let runner_pid = runner.id();
+    let start = Instant::now();
+    let pid = loop {
+        let children = std::fs::read_to_string(format!("/proc/{runner_pid}/task/{runner_pid}/children")).unwrap_or_default();
+        if let Some(pid) = children.split_whitespace().next().and_then(|p| p.parse().ok()) {
+            break pid;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "sdq limit started no command");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut server = LimitedServer { runner, pid, port, report };
+    loop {
+        if let Ok((200, _)) = http(port, "GET", "/health", None) {
+            break;
+        }
+        if let Ok(Some(status)) = server.runner.try_wait() {
+            panic!("llama-server under sdq limit exited early: {status}:\n{}", std::fs::read_to_string(log).unwrap_or_default());
+        }
+        assert!(start.elapsed() < Duration::from_secs(120), "llama-server not healthy within 120 s");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    if !cgroups.contains("sdq-limit-") {
+        eprintln!("SKIPPED: no writable memory cgroup here (the server runs unconfined)");
+        return None;
+    }
+    Some(server)
+}
+
+/// `sdq limit --pid PID --memory LIMIT`: changes a running process's limit;
+/// returns its report.
+pub fn set_limit(pid: u32, limit: u64) -> serde_json::Value {
+    let report = scratch().join(format!("set-limit-{pid}.json"));
+    let o = run(Command::new(bin("sdq")).args(["limit", "--pid", &pid.to_string(), "--memory", &limit.to_string(), "--report", report.to_str().unwrap()]), 60);
+    assert!(o.status.success(), "sdq limit --pid {pid} --memory {limit}: {}", stderr(&o));
+    serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap()
+}
+
+/// Anonymous RSS of process `pid`.
+pub fn rss_anon_of(pid: u32) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    s.lines().find_map(|l| l.strip_prefix("RssAnon:")).and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok()).unwrap() * 1024
+}
+
+/// The stats file once `cond` holds for it (it is rewritten every second),
+/// within `secs`; panics with the last one otherwise.
+pub fn stats_when(path: &Path, secs: u64, what: &str, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let start = Instant::now();
+    loop {
+        let s: Option<serde_json::Value> = std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str(&t).ok());
+        if let Some(s) = s {
+            if cond(&s) {
+                return s;
+            }
+            assert!(start.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s: {s}");
+        }
+        assert!(start.elapsed() < Duration::from_secs(secs), "{what}: no stats file {} within {secs} s", path.display());
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
