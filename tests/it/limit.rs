@@ -81,3 +81,46 @@ fn a_terminated_runner_still_removes_its_cgroup() {
     let leftover = std::process::Command::new("find").arg(dir).args(["-maxdepth", "3", "-name", &format!("sdq-limit-{}", runner.id())]).output().unwrap();
     assert!(leftover.stdout.is_empty(), "cgroup left behind: {}", String::from_utf8_lossy(&leftover.stdout));
 }
+
+#[test]
+fn a_limit_the_process_cannot_meet_is_refused_and_the_old_one_stays() {
+    // A process that holds 192 MiB and gives nothing back: lowering its
+    // limit to 128 MiB must fail within --wait, naming what it holds, and
+    // leave it running under its old limit.
+    let report = scratch().join("limit-hold.json");
+    let _ = std::fs::remove_file(&report);
+    let mut runner = Command::new(bin("sdq"))
+        .args(["limit", "--memory", "512M", "--report", report.to_str().unwrap(), "--"])
+        .args(["python3", "-c", "import time; x = bytearray(192 << 20); x[::4096] = b'x' * len(x[::4096]); print('ready', flush=True); time.sleep(30)"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(runner.stdout.as_mut().unwrap()), &mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    let runner_pid = runner.id();
+    let pid: u32 = std::fs::read_to_string(format!("/proc/{runner_pid}/task/{runner_pid}/children")).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
+    if cgroups.contains("sdq-limit-") {
+        let o = run(Command::new(bin("sdq")).args(["limit", "--pid", &pid.to_string(), "--memory", "128M", "--wait", "1"]), 60);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "{err}");
+        assert!(err.contains(&format!("process {pid} still holds")) && err.contains("the old limits stay"), "{err}");
+        assert!(!err.contains("panicked"), "{err}");
+        // Still running, and a limit it fits in is taken.
+        assert!(runner.try_wait().unwrap().is_none(), "the process died");
+        let o = run(Command::new(bin("sdq")).args(["limit", "--pid", &pid.to_string(), "--memory", "256M", "--wait", "5"]), 60);
+        assert!(o.status.success(), "{}", stderr(&o));
+    } else {
+        eprintln!("SKIPPED: no writable memory cgroup here");
+    }
+    // No such process: one clear error.
+    let o = run(Command::new(bin("sdq")).args(["limit", "--pid", "999999999", "--memory", "1G"]), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("process 999999999"), "{}", stderr(&o));
+    let _ = Command::new("kill").arg(pid.to_string()).status();
+    let status = runner.wait().unwrap();
+    assert!(!status.success());
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    assert_eq!(r["oom_kills"], 0, "{r}");
+}
