@@ -142,6 +142,11 @@ struct ReplayArgs {
     /// Eviction policies to replay: names, or all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     policy: Vec<String>,
+    /// Count only the batches from this step on (the earlier ones are
+    /// replayed, so that policies learn from them): to judge a policy on a
+    /// part of a trace it was not tuned on.
+    #[arg(long, default_value_t = 0)]
+    judged_from: u64,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -172,7 +177,10 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
     }
     sizes.sort_unstable();
     sizes.dedup();
-    let report = sdq::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies)?;
+    if a.judged_from > 0 && !trace.batches.iter().any(|b| b.step >= a.judged_from) {
+        return Err(sdq::Error::invalid(format!("--judged-from {}: the trace's last step is {}", a.judged_from, trace.batches.last().map_or(0, |b| b.step))));
+    }
+    let report = sdq::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies, a.judged_from)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("serialize"));
     } else {
