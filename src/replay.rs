@@ -13,7 +13,8 @@
 use crate::error::{Error, Result};
 use crate::pager::arena::SlotClass;
 use crate::pager::layout::Layout;
-use crate::pager::policy::PolicyKind;
+use crate::pager::arena::SlotId;
+use crate::pager::policy::{Policy, PolicyKind};
 use crate::pager::residency::Residency;
 use crate::pager::ExpertKey;
 use crate::trace::{Phase, Trace};
@@ -84,7 +85,12 @@ pub fn plan(trace: &Trace, layout: &Layout, arena_bytes: u64) -> Result<Vec<Slot
 /// batches from step `judged_from` on (0: all).
 pub fn replay(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: PolicyKind, judged_from: u64) -> Tally {
     let n_slots: usize = classes.iter().map(|c| c.count).sum();
-    let mut res = Residency::new(n_slots, policy.build(n_slots));
+    replay_with(trace, layout, classes, policy.build(n_slots), judged_from)
+}
+
+fn replay_with(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Box<dyn Policy>, judged_from: u64) -> Tally {
+    let n_slots: usize = classes.iter().map(|c| c.count).sum();
+    let mut res = Residency::new(n_slots, policy);
     let mut tally = Tally::default();
     for b in &trace.batches {
         let ll = &layout.layers[&b.layer];
@@ -100,6 +106,58 @@ pub fn replay(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Pol
         }
     }
     tally
+}
+
+/// A policy told in advance how often each expert will be used over the
+/// decoded tokens of the whole trace (not when): it evicts the held expert
+/// of the lowest count, the least recently used among equals. Not an
+/// online policy, and not a bound; it shows how far knowing the experts'
+/// true popularity would go, apart from knowing when each is used next.
+struct KnownFrequency {
+    counts: HashMap<ExpertKey, u64>,
+    slots: Vec<Option<(ExpertKey, u64)>>,
+    clock: u64,
+}
+
+impl Policy for KnownFrequency {
+    fn name(&self) -> &'static str {
+        "known-frequency"
+    }
+
+    fn begin_batch(&mut self, _layer: u32) {
+        self.clock += 1;
+    }
+
+    fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.slots[slot] = Some((key, self.clock));
+    }
+
+    fn used(&mut self, slot: SlotId, key: ExpertKey) {
+        self.slots[slot] = Some((key, self.clock));
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.slots[slot] = None;
+    }
+
+    fn victim(&self, slots: std::ops::Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        slots
+            .filter(|&s| evictable(s))
+            .min_by_key(|&s| self.slots[s].map_or((0, 0, 0), |(key, t)| (1, self.counts.get(&key).copied().unwrap_or(0), t)))
+    }
+}
+
+/// The trace replayed with each expert's decode count known in advance
+/// (`KnownFrequency`).
+pub fn known_frequency(trace: &Trace, layout: &Layout, classes: &[SlotClass], judged_from: u64) -> Tally {
+    let mut counts: HashMap<ExpertKey, u64> = HashMap::new();
+    for b in trace.batches.iter().filter(|b| b.phase == Phase::Decode) {
+        for &e in &b.experts {
+            *counts.entry((b.layer, e)).or_default() += 1;
+        }
+    }
+    let n_slots: usize = classes.iter().map(|c| c.count).sum();
+    replay_with(trace, layout, classes, Box::new(KnownFrequency { counts, slots: vec![None; n_slots], clock: 0 }), judged_from)
 }
 
 /// The most hits any policy can have over `classes` with the same
@@ -150,6 +208,8 @@ pub struct Outcome {
     pub slots: Vec<(usize, usize)>,
     pub policies: Vec<(PolicyKind, Tally)>,
     pub belady: Tally,
+    /// Each expert's decode count known in advance (`known_frequency`).
+    pub known_frequency: Tally,
 }
 
 /// The trace replayed at `arena_bytes` through each of `policies`, with the bound.
@@ -177,7 +237,11 @@ pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judg
             (p, t)
         })
         .collect();
-    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady })
+    let known_frequency = known_frequency(trace, &layout, &classes, judged_from);
+    if judged_from == 0 {
+        assert!(known_frequency.hits <= belady.hits, "known frequency has {} hits, above Bélády's {}", known_frequency.hits, belady.hits);
+    }
+    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady, known_frequency })
 }
 
 /// A replay at several arena sizes, for printing.
@@ -237,7 +301,7 @@ impl Report {
         out += &format!("{:>11} {:>7} {:>8} {:>7} {:>9} {:>7} {:>10} {:>12}\n", "arena", "cycles", "policy", "hit %", "decode %", "gap %", "misses", "read");
         for o in &self.outcomes {
             let cycles = o.arena_bytes as f64 / self.token_cycle.max(1) as f64;
-            let rows = o.policies.iter().map(|(p, t)| (p.name(), t)).chain(std::iter::once(("belady", &o.belady)));
+            let rows = o.policies.iter().map(|(p, t)| (p.name(), t)).chain([("known-fr", &o.known_frequency), ("belady", &o.belady)]);
             for (name, t) in rows {
                 let gap = Self::gap_share(o, t).map_or_else(|| "-".to_string(), |g| format!("{g:.0}"));
                 out += &format!(
@@ -258,13 +322,13 @@ impl Report {
         let mid: Vec<&Outcome> = self.outcomes.iter().filter(|o| (1.0..=4.0).contains(&(o.arena_bytes as f64 / self.token_cycle.max(1) as f64))).collect();
         if !mid.is_empty() {
             let names: Vec<PolicyKind> = mid[0].policies.iter().map(|(p, _)| *p).collect();
-            let means: Vec<String> = names
-                .iter()
-                .filter_map(|&p| {
-                    let shares: Vec<f64> = mid.iter().filter_map(|o| o.policies.iter().find(|(q, _)| *q == p).and_then(|(_, t)| Self::gap_share(o, t))).collect();
-                    (!shares.is_empty()).then(|| format!("{} {:.1} %", p.name(), shares.iter().sum::<f64>() / shares.len() as f64))
-                })
-                .collect();
+            let mean = |name: &str, of: &dyn Fn(&Outcome) -> Option<Tally>| {
+                let shares: Vec<f64> = mid.iter().filter_map(|o| of(o).and_then(|t| Self::gap_share(o, &t))).collect();
+                (!shares.is_empty()).then(|| format!("{name} {:.1} %", shares.iter().sum::<f64>() / shares.len() as f64))
+            };
+            let mut means: Vec<String> =
+                names.iter().filter_map(|&p| mean(p.name(), &|o: &Outcome| o.policies.iter().find(|(q, _)| *q == p).map(|(_, t)| *t))).collect();
+            means.extend(mean("known frequency", &|o: &Outcome| Some(o.known_frequency)));
             if !means.is_empty() {
                 out += &format!("share of the LRU → Bélády gap closed (decode), mean over the {} sizes from 1 to 4 token cycles: {}\n", mid.len(), means.join(", "));
             }
@@ -280,6 +344,11 @@ impl Report {
                 "decode_hits": t.decode_hits, "decode_misses": t.decode_misses, "decode_hit_pct": t.decode_hit_pct(),
                 "bytes_read": t.bytes_read,
             })
+        };
+        let known = |o: &Outcome| {
+            let mut v = tally(&o.known_frequency);
+            v["decode_gap_share_pct"] = json!(Self::gap_share(o, &o.known_frequency));
+            v
         };
         json!({
             "trace": self.trace,
@@ -300,6 +369,7 @@ impl Report {
                     v
                 }).collect::<Vec<_>>(),
                 "belady": tally(&o.belady),
+                "known_frequency": known(o),
             })).collect::<Vec<_>>(),
         })
     }
