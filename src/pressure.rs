@@ -57,12 +57,9 @@ impl Plan {
     }
 }
 
-/// Reads the room now.
-pub fn read(auto: bool) -> Reading {
-    Reading {
-        cgroup: crate::limit::cgroup_limit(),
-        available: if auto { crate::budget::mem_available().map(|a| a + crate::budget::ProcMemory::read().rss_anon) } else { None },
-    }
+/// Reads the room now, for a process holding `rss_anon` of anonymous memory.
+pub fn read(auto: bool, rss_anon: u64) -> Reading {
+    Reading { cgroup: crate::limit::cgroup_limit(), available: if auto { crate::budget::mem_available().map(|a| a + rss_anon) } else { None } }
 }
 
 /// The arena's size over the run, and its changes.
@@ -86,9 +83,10 @@ impl Watch {
     }
 
     /// Reads the room and resizes the pager's arena if it no longer fits
-    /// (or fits again); each change is one notice on stderr.
-    pub fn poll(&mut self, pager: &Pager, top_k: usize) {
-        let reading = read(self.auto);
+    /// (or fits again); each change is one notice on stderr. `rss_anon`:
+    /// the process's anonymous memory, as just sampled.
+    pub fn poll(&mut self, pager: &Pager, top_k: usize, rss_anon: u64) {
+        let reading = read(self.auto, rss_anon);
         self.apply(reading, pager, top_k);
     }
 

@@ -113,9 +113,9 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         .spawn(|| {
             for tick in 1u64.. {
                 if let Some(rt) = RUNTIME.get() {
-                    rt.sample_memory();
+                    let m = rt.sample_memory();
                     if tick % 5 == 0 {
-                        rt.watch_room();
+                        rt.watch_room(m.rss_anon);
                     }
                     // A snapshot each second: a run that ends without exit
                     // handlers (Ctrl-C in llama-completion calls _exit) still
@@ -413,21 +413,22 @@ impl Runtime {
     }
 
     /// Fits the arena to the room the process has now (see `pressure`),
-    /// once the pager exists.
-    fn watch_room(&self) {
+    /// once the pager exists; `rss_anon` is this tick's sample.
+    fn watch_room(&self, rss_anon: u64) {
         let Some((pager, plan)) = self.pager.get() else { return };
         let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
         let w = watch.get_or_insert_with(|| {
             let bounds = crate::pressure::Plan { budget: self.budget, arena: plan.arena_bytes, min_arena: pager.layout().min_arena_bytes(plan.top_k) };
             crate::pressure::Watch::new(bounds, self.options.budget_auto)
         });
-        w.poll(pager, plan.top_k);
+        w.poll(pager, plan.top_k, rss_anon);
     }
 
-    fn sample_memory(&self) {
+    fn sample_memory(&self) -> ProcMemory {
         let m = ProcMemory::read();
         self.peak_rss_anon.fetch_max(m.rss_anon, Ordering::Relaxed);
         self.max_swap.fetch_max(m.vm_swap, Ordering::Relaxed);
+        m
     }
 
     /// Writes the stats file (if asked for) and, with `summary`, the summary

@@ -98,8 +98,7 @@ fn a_limit_the_process_cannot_meet_is_refused_and_the_old_one_stays() {
     let mut line = String::new();
     std::io::BufRead::read_line(&mut std::io::BufReader::new(runner.stdout.as_mut().unwrap()), &mut line).unwrap();
     assert_eq!(line.trim(), "ready");
-    let runner_pid = runner.id();
-    let pid: u32 = std::fs::read_to_string(format!("/proc/{runner_pid}/task/{runner_pid}/children")).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let pid = child_of(runner.id());
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap();
     if cgroups.contains("sdq-limit-") {
         let o = run(Command::new(bin("sdq")).args(["limit", "--pid", &pid.to_string(), "--memory", "128M", "--wait", "1"]), 60);

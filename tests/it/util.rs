@@ -148,16 +148,37 @@ pub fn start_server_logged(args: &[&str], env: &[(&str, &str)], log: Option<&Pat
         .spawn()
         .unwrap();
     let mut server = KillOnDrop(child);
-    let start = Instant::now();
+    wait_healthy(port, &mut server.0, log, Instant::now());
+    (server, port)
+}
+
+/// Waits until llama-server on `port` answers /health with 200 (within 120 s
+/// of `start`); panics, with the server's `log`, if `process` (the server,
+/// or what runs it) exits first.
+fn wait_healthy(port: u16, process: &mut Child, log: Option<&Path>, start: Instant) {
     loop {
         if let Ok((200, _)) = http(port, "GET", "/health", None) {
-            return (server, port);
+            return;
         }
-        if let Ok(Some(status)) = server.0.try_wait() {
-            panic!("llama-server exited early: {status}");
+        if let Ok(Some(status)) = process.try_wait() {
+            panic!("llama-server exited early: {status}\n{}", log.and_then(|p| std::fs::read_to_string(p).ok()).unwrap_or_default());
         }
         assert!(start.elapsed() < Duration::from_secs(120), "llama-server not healthy within 120 s");
         std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// The first child of process `pid` (a runner's command), once it has one
+/// (within 10 s).
+pub fn child_of(pid: u32) -> u32 {
+    let start = Instant::now();
+    loop {
+        let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+        if let Some(child) = children.split_whitespace().next().and_then(|p| p.parse().ok()) {
+            return child;
+        }
+        assert!(start.elapsed() < Duration::from_secs(10), "process {pid} started no command");
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -258,27 +279,10 @@ pub fn start_server_limited(limit: &str, args: &[&str], env: &[(&str, &str)], lo
         .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
         .spawn()
         .unwrap();
-    let runner_pid = runner.id();
     let start = Instant::now();
-    let pid = loop {
-        let children = std::fs::read_to_string(format!("/proc/{runner_pid}/task/{runner_pid}/children")).unwrap_or_default();
-        if let Some(pid) = children.split_whitespace().next().and_then(|p| p.parse().ok()) {
-            break pid;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "sdq limit started no command");
-        std::thread::sleep(Duration::from_millis(20));
-    };
+    let pid = child_of(runner.id());
     let mut server = LimitedServer { runner, pid, port, report };
-    loop {
-        if let Ok((200, _)) = http(port, "GET", "/health", None) {
-            break;
-        }
-        if let Ok(Some(status)) = server.runner.try_wait() {
-            panic!("llama-server under sdq limit exited early: {status}:\n{}", std::fs::read_to_string(log).unwrap_or_default());
-        }
-        assert!(start.elapsed() < Duration::from_secs(120), "llama-server not healthy within 120 s");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    wait_healthy(port, &mut server.runner, Some(log), start);
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     if !cgroups.contains("sdq-limit-") {
         eprintln!("SKIPPED: no writable memory cgroup here (the server runs unconfined)");
