@@ -61,6 +61,7 @@ pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
     let total = meta.len() as u64 + data_bytes;
 
     let tmp = opts.out.with_extension("gguf.partial");
+    check_free_space(&opts.out, total)?;
     let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     let io = |e| Error::io("writing", &tmp, e);
@@ -91,6 +92,38 @@ pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
     std::fs::rename(&tmp, &opts.out).map_err(|e| Error::io("cannot rename to", &opts.out, e))?;
 
     Ok(GenReport { path: opts.out.clone(), bytes: total, tensors: plan.len(), seconds: start.elapsed().as_secs_f64() })
+}
+
+/// Refuses before writing when the output's file system cannot hold the
+/// model: a disk that fills halfway through is a long wait for an error.
+fn check_free_space(out: &Path, need: u64) -> Result<()> {
+    let dir = match out.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let Some(free) = free_bytes(dir) else { return Ok(()) };
+    // The old file under that name, if any, is replaced only at the end.
+    if free < need {
+        return Err(Error::invalid(format!(
+            "not enough free space for {}: the model needs {}, and {} has {} free",
+            out.display(),
+            crate::budget::human(need),
+            dir.display(),
+            crate::budget::human(free)
+        )));
+    }
+    Ok(())
+}
+
+/// Bytes an unprivileged writer can still put on `dir`'s file system.
+fn free_bytes(dir: &Path) -> Option<u64> {
+    use std::os::unix::ffi::OsStrExt;
+    let c = std::ffi::CString::new(dir.as_os_str().as_bytes()).ok()?;
+    // SAFETY: zeroed is a valid statvfs (plain integers).
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a NUL-terminated path and st a statvfs we own.
+    let ok = unsafe { libc::statvfs(c.as_ptr(), &mut st) } == 0;
+    ok.then(|| st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 fn padded(n: u64, align: u64) -> u64 {

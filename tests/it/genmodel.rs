@@ -102,7 +102,7 @@ fn other_expert_types_load() {
 fn the_35b_a3b_geometry_from_a_one_layer_file() {
     // The full file is ~21 GB; one layer of the same geometry checks the
     // per-layer shapes and types from a real file's metadata.
-    let m = gen_model("35b-a3b-1layer.gguf", &["--preset", "35b-a3b", "--layers", "1", "--full-attention-interval", "1"]);
+    let m = TempModel::generate("35b-a3b-1layer.gguf", &["--preset", "35b-a3b", "--layers", "1", "--full-attention-interval", "1"]);
     let g = Gguf::open(&m).unwrap();
     let ts = g.tensors();
     assert_eq!(tensor(&ts, "token_embd.weight").ne, [2048, 248_320, 1, 1]);
@@ -138,4 +138,25 @@ fn bad_geometry_is_a_clear_error() {
         assert!(err.contains(needle) && !err.contains("panicked"), "{args:?}: {err}");
         assert!(!out.exists(), "{args:?} left a file behind");
     }
+}
+
+#[test]
+fn a_disk_too_small_for_the_model_is_refused_before_writing() {
+    // An 8 MiB tmpfs in a private mount namespace stands for a full disk;
+    // the tiny model is 74 MB, so nothing of it may be written.
+    let dir = scratch().join("small-disk");
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = dir.join("m.gguf");
+    let script = format!(
+        "mount -t tmpfs -o size=8m sdq-test {d} && {sdq} gen-model --preset tiny -o {o}; rc=$?; ls {d}; exit $rc",
+        d = dir.display(),
+        sdq = bin("sdq").display(),
+        o = out.display()
+    );
+    let o = run(Command::new("unshare").args(["-m", "sh", "-c", &script]), 60);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains(&format!("not enough free space for {}", out.display())) && err.contains("has 8.0 MiB free"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "", "gen-model left a file behind");
 }

@@ -228,8 +228,8 @@ fn greedy(port: u16, prompt: &str, n: u32) -> String {
 fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() {
     // 1.8 GiB of routed experts (4 layers of 256 experts top-8, 1.9 MB
     // each), so that a 2 GiB limit gives an arena of more than a GiB.
-    let model = gen_model("wide-experts.gguf", &["--layers", "4", "--n-embd", "1024", "--experts", "256", "--top-k", "8", "--expert-ff", "1024"]);
-    let model = model.to_str().unwrap();
+    let model_file = TempModel::generate("wide-experts.gguf", &["--layers", "4", "--n-embd", "1024", "--experts", "256", "--top-k", "8", "--expert-ff", "1024"]);
+    let model = model_file.to_str().unwrap();
     let common = ["-m", model, "-c", "1024", "-np", "1", "-t", "2", "--no-warmup"];
     let words = ["river", "lamp", "harbour", "apple", "letter", "stone", "garden", "bridge", "winter", "engine"];
     let prompts: Vec<String> = (0..10).map(|i| format!("The {} by the {}", words[i], words[(i * 3 + 1) % 10])).collect();

@@ -31,6 +31,30 @@ pub fn gen_model(name: &str, args: &[&str]) -> PathBuf {
     out
 }
 
+/// A generated model that one test uses and deletes when it ends: the large
+/// ones (GBs) would otherwise stay in the scratch directory for the whole run
+/// and keep a small CI disk full.
+pub struct TempModel(PathBuf);
+
+impl TempModel {
+    pub fn generate(name: &str, args: &[&str]) -> TempModel {
+        TempModel(gen_model(name, args))
+    }
+}
+
+impl std::ops::Deref for TempModel {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempModel {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 /// The `tiny` preset model, generated once per test run.
 pub fn tiny() -> &'static Path {
     static TINY: OnceLock<PathBuf> = OnceLock::new();
