@@ -115,6 +115,7 @@ pub fn run(o: &DemoOptions) -> Result<()> {
             threads: o.threads,
             progress: true,
             preset: "demo (35b-a3b, 8 layers)".into(),
+            image_tokens: false,
         };
         genmodel::generate(&spec, &gen)?;
     }

@@ -353,6 +353,10 @@ struct GenModelArgs {
     /// GGUF whose tokenizer is copied (default: the vendored ggml-vocab-qwen35.gguf).
     #[arg(long)]
     vocab_file: Option<PathBuf>,
+    /// Also write a MiniCPM-V 4.6 vision projector for this model here (the
+    /// model then gets the image tokens its template needs).
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
 }
 
 fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
@@ -377,14 +381,18 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         );
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let opts = GenOptions {
-        out: a.out,
-        vocab_file: a.vocab_file.unwrap_or_else(genmodel::default_vocab_file),
-        threads,
-        progress: true,
-        preset: a.preset,
-    };
+    let vocab_file = a.vocab_file.unwrap_or_else(genmodel::default_vocab_file);
+    if a.mmproj.is_some() && a.vocab.is_none() {
+        // Room for the image tokens after the tokenizer's own.
+        let n_tokens = sdq::gguf::Gguf::open(&vocab_file)?.get("tokenizer.ggml.tokens").map_or(0, |v| match v { sdq::gguf::Value::Array(a) => a.len(), _ => 0 });
+        spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
+    }
+    let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some() };
     let report = genmodel::generate(&spec, &opts)?;
+    if let Some(path) = &a.mmproj {
+        let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() })?;
+        println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
+    }
     println!(
         "wrote {} ({} bytes, {} tensors, {} {} layers, {} experts top-{}) in {:.1} s",
         report.path.display(),

@@ -3,8 +3,10 @@
 //! tensor data so a model of any size is written in bounded memory.
 
 mod fill;
+mod mmproj;
 mod spec;
 
+pub use mmproj::{Projector, IMAGE_TOKENS};
 pub use spec::{Arch, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, Router, Shared, FAMILIES, PRESETS};
 
 use crate::error::{Error, Result};
@@ -33,6 +35,9 @@ pub struct GenOptions {
     pub progress: bool,
     /// A name recorded as `general.name` and `sdq.preset`.
     pub preset: String,
+    /// Give the first four padding tokens MiniCPM-V's image tokens
+    /// (`IMAGE_TOKENS`), which a projector's template needs.
+    pub image_tokens: bool,
 }
 
 /// What was written.
@@ -48,11 +53,25 @@ pub struct GenReport {
 /// the end, so a failed run never leaves a partial model under that name).
 pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
     spec.validate()?;
-    let start = Instant::now();
     let plan = spec.plan();
     let mut builder = GgufBuilder::new(plan.len());
     write_metadata(spec, opts, &mut builder)?;
-    for t in &plan {
+    write_file(spec, &plan, builder, opts)
+}
+
+/// Writes a MiniCPM-V 4.6 projector for the text model `spec` to `opts.out`.
+pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
+    let projector = Projector::for_text(spec);
+    let plan = projector.plan();
+    let mut builder = GgufBuilder::new(plan.len());
+    projector.write_metadata(&mut builder);
+    write_file(spec, &plan, builder, opts)
+}
+
+/// Writes `plan`'s tensors after `builder`'s keys (filled as `spec`'s seed says).
+fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], mut builder: GgufBuilder, opts: &GenOptions) -> Result<GenReport> {
+    let start = Instant::now();
+    for t in plan {
         builder.add_tensor(&t.name, t.ty, &t.ne);
     }
     let meta = builder.meta_bytes();
@@ -222,12 +241,13 @@ fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
             b.set(&k("attention.recurrent_layers"), &Value::Array(Array::Bool(recurrent)));
         }
     }
-    copy_tokenizer(spec, &opts.vocab_file, b)
+    copy_tokenizer(spec, opts, b)
 }
 
 /// Copies the `tokenizer.*` keys of `vocab_file`, padding the token list with
 /// unused `[PADn]` tokens up to the model's vocabulary size.
-fn copy_tokenizer(spec: &ModelSpec, vocab_file: &Path, b: &mut GgufBuilder) -> Result<()> {
+fn copy_tokenizer(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> Result<()> {
+    let vocab_file = opts.vocab_file.as_path();
     let vocab = Gguf::open(vocab_file)?;
     let n_tokens = match vocab.get("tokenizer.ggml.tokens") {
         Some(Value::Array(a)) => a.len(),
@@ -241,15 +261,30 @@ fn copy_tokenizer(spec: &ModelSpec, vocab_file: &Path, b: &mut GgufBuilder) -> R
         )));
     }
     let pad = spec.n_vocab - n_tokens;
+    if opts.image_tokens && pad < IMAGE_TOKENS.len() {
+        return Err(Error::invalid(format!(
+            "vocabulary {} leaves no room for the {} image tokens after the tokenizer's {n_tokens} (give --vocab {} or more)",
+            spec.n_vocab,
+            IMAGE_TOKENS.len(),
+            n_tokens + IMAGE_TOKENS.len()
+        )));
+    }
+    let name = |i: usize| match i.checked_sub(n_tokens) {
+        Some(j) if opts.image_tokens && j < IMAGE_TOKENS.len() => IMAGE_TOKENS[j].to_string(),
+        _ => format!("[PAD{i}]"),
+    };
     for key in vocab.keys().into_iter().filter(|k| k.starts_with("tokenizer.")) {
         let value = match (key.as_str(), vocab.get(&key).expect("listed key")) {
             ("tokenizer.ggml.tokens", Value::Array(Array::Str(mut v))) => {
-                v.extend((n_tokens..spec.n_vocab).map(|i| format!("[PAD{i}]")));
+                v.extend((n_tokens..spec.n_vocab).map(name));
                 Value::Array(Array::Str(v))
             }
             ("tokenizer.ggml.token_type", Value::Array(Array::I32(mut v))) => {
+                const TOKEN_TYPE_USER_DEFINED: i32 = 4;
                 const TOKEN_TYPE_UNUSED: i32 = 5;
-                v.extend(std::iter::repeat(TOKEN_TYPE_UNUSED).take(pad));
+                let image = if opts.image_tokens { IMAGE_TOKENS.len() } else { 0 };
+                v.extend(std::iter::repeat(TOKEN_TYPE_USER_DEFINED).take(image));
+                v.extend(std::iter::repeat(TOKEN_TYPE_UNUSED).take(pad - image));
                 Value::Array(Array::I32(v))
             }
             ("tokenizer.ggml.scores", Value::Array(Array::F32(mut v))) => {

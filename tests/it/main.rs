@@ -13,4 +13,5 @@ mod server;
 mod split;
 mod tools;
 mod util;
+mod vision;
 
