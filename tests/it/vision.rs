@@ -157,3 +157,47 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
         assert!(!err.contains("panicked"), "{err}");
     }
 }
+
+fn base64(bytes: &[u8]) -> String {
+    const A: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::new();
+    for c in bytes.chunks(3) {
+        let n = (c[0] as u32) << 16 | (*c.get(1).unwrap_or(&0) as u32) << 8 | *c.get(2).unwrap_or(&0) as u32;
+        for i in 0..4 {
+            if i <= c.len() {
+                out.push(A[(n >> (18 - 6 * i) & 63) as usize] as char);
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+/// An OpenAI-style chat request with the image as a data URI: the answer's text.
+fn chat_with_image(port: u16) -> String {
+    let png = base64(&std::fs::read(image()).unwrap());
+    let body = format!(
+        r#"{{"messages":[{{"role":"user","content":[{{"type":"text","text":"What is in this picture?"}},{{"type":"image_url","image_url":{{"url":"data:image/png;base64,{png}"}}}}]}}],"max_tokens":12,"top_k":1,"temperature":0}}"#
+    );
+    let (status, body) = http(port, "POST", "/v1/chat/completions", Some(&body)).expect("request within its timeout");
+    assert_eq!(status, 200, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    v["choices"][0]["message"]["content"].as_str().unwrap_or_else(|| panic!("no content in {v}")).to_string()
+}
+
+#[test]
+fn llama_server_answers_a_chat_request_with_an_image_under_a_budget() {
+    let (model, mmproj) = vision_model();
+    let common = ["-m", model.to_str().unwrap(), "--mmproj", mmproj.to_str().unwrap(), "-c", "2048", "-np", "1", "-t", "2", "--no-warmup"];
+    let stock = {
+        let (_server, port) = start_server(&common);
+        chat_with_image(port)
+    };
+    assert!(!stock.is_empty());
+    let stats = scratch().join("vision-server-stats.json");
+    let (_server, port) = start_server(&[&common[..], &["--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]].concat());
+    assert_eq!(chat_with_image(port), stock, "an image chat under a budget answered differently from stock");
+    let s = stats_when(&stats, 30, "the pager's figures", |s| s["paged"] == true);
+    assert!(u(&s, "hits") + u(&s, "misses") > 0, "{s}");
+}
