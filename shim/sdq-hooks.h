@@ -169,6 +169,12 @@ void sdq_repack_mul(int kernel, int64_t ne0, int64_t ne1, const void * data,
  * platform allows). */
 void sdq_drop_cached(int fd, uint64_t offset, uint64_t length);
 
+/* The bytes a projector (`--mmproj` file) takes once loaded on the CPU:
+ * weights plus the compute buffers mtmd reserves for its largest input,
+ * from the file's metadata (mtmd_get_memory_usage; nothing is loaded).
+ * Returns 0 and sets *total, or 1 if mtmd cannot read the file. */
+int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total);
+
 #ifdef __cplusplus
 }
 #endif

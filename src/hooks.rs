@@ -387,3 +387,15 @@ extern "C" fn moe_experts(
         unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
     })
 }
+
+/// What the projector at `path` takes once loaded on the CPU (weights and
+/// the compute buffers mtmd reserves), from its metadata; None if mtmd
+/// cannot read it.
+pub fn projector_memory(path: &std::path::Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut total = 0u64;
+    // SAFETY: c is a NUL-terminated path and total a valid out-pointer; the
+    // wrapper only reads the file's metadata and returns.
+    let r = unsafe { sys::sdq_mtmd_memory(c.as_ptr(), 1, &mut total) };
+    (r == 0).then_some(total)
+}

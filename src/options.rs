@@ -43,6 +43,10 @@ pub struct Options {
     pub trace_file: Option<PathBuf>,
     /// The hot set to start from and save at exit (`--sdq-hotset`, `SDQ_HOTSET_FILE`).
     pub hotset_file: Option<PathBuf>,
+    /// The projector the tool loads (upstream's `--mmproj`/`-mm`, or
+    /// `LLAMA_ARG_MMPROJ`), read but left for the tool: its compute buffers
+    /// are counted before the arena is sized.
+    pub mmproj: Option<PathBuf>,
 }
 
 /// The help section printed after upstream's `--help`.
@@ -169,6 +173,15 @@ impl Options {
         }
         if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
             o.faults = crate::pager::io::FaultPlan::parse(&v).map_err(|e| Error::invalid(format!("SDQ_FAULT_READ: {e}")))?;
+        }
+
+        o.mmproj = env("LLAMA_ARG_MMPROJ").filter(|v| !v.is_empty()).map(PathBuf::from);
+        for (i, a) in args.iter().enumerate().skip(1) {
+            match a.to_str() {
+                Some("--mmproj" | "-mm") => o.mmproj = args.get(i + 1).map(PathBuf::from),
+                Some(s) if s.starts_with("--mmproj=") => o.mmproj = Some(PathBuf::from(&s["--mmproj=".len()..])),
+                _ => {}
+            }
         }
 
         let mut kept = Vec::with_capacity(args.len());

@@ -76,7 +76,8 @@ pub struct Runtime {
     /// Experts the hot set listed for reading at start.
     warm_listed: AtomicU64,
     /// The arena's size under memory pressure (from the pager's creation).
-    watch: Mutex<Option<crate::pressure::Watch>>,
+    watch: Mutex<Option<crate::pressure::Watch>>,    /// The projector's compute buffers counted when the arena was sized.
+    projector_compute: AtomicU64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -107,6 +108,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         hotset,
         warm_listed: AtomicU64::new(0),
         watch: Mutex::new(None),
+        projector_compute: AtomicU64::new(0),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -312,7 +314,8 @@ impl Runtime {
         let layout = Layout::build(&tensors, &files, self.options.direct_io.unwrap_or(true))?;
         layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
-        let held = budget::Held { anon: rss, mapped };
+        let projector_compute = self.projector_compute_bytes();
+        let held = budget::Held { anon: rss + projector_compute, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
         let too_small = || {
@@ -365,6 +368,26 @@ impl Runtime {
             log::info!("the arena holds every routed expert: reading all {n} in the background");
         }
         Ok((pager, plan))
+    }
+
+    /// The compute buffers of the projector the tool loaded (`--mmproj`),
+    /// which it first touches at its first encode, after the arena is
+    /// sized: mtmd's own figure (weights + buffers) less the weights, which
+    /// are resident by now. 0 without a projector, or if mtmd cannot read it.
+    fn projector_compute_bytes(&self) -> u64 {
+        let Some(path) = &self.options.mmproj else { return 0 };
+        let weights: u64 = match crate::gguf::Gguf::open(path) {
+            Ok(g) => g.tensors().iter().map(|t| t.size).sum(),
+            Err(_) => return 0,
+        };
+        let Some(total) = crate::hooks::projector_memory(path) else {
+            log::warn!("{}: mtmd could not size this projector; its compute buffers are left to the reserve", path.display());
+            return 0;
+        };
+        let compute = total.saturating_sub(weights);
+        log::info!("projector {}: {} of weights, {} of compute buffers counted before the arena", path.display(), human(weights), human(compute));
+        self.projector_compute.store(compute, Ordering::Relaxed);
+        compute
     }
 
     /// True if the routing is being recorded.
@@ -544,6 +567,7 @@ impl Runtime {
             o.insert("room_bytes".into(), json!(watch.as_ref().map_or(self.budget, |w| w.room)));
             drop(watch);
             o.insert("load_seconds".into(), json!(plan.load_seconds));
+            o.insert("projector_compute_bytes".into(), json!(self.projector_compute.load(Ordering::Relaxed)));
             o.insert("top_k".into(), json!(plan.top_k));
             // Paged tensors by the layout their experts take in the arena
             // (stock's: "plain", or a repacked layout such as "q4_K_8x8_q8_K").

@@ -1,0 +1,25 @@
+// The memory a vision/audio projector takes once it is loaded: its weights
+// and the compute buffers mtmd reserves for its largest input, read from the
+// file's metadata by mtmd itself (nothing is loaded). sdq counts the compute
+// buffers before it sizes the arena: mtmd reserves them at load but first
+// touches them at the first encode, which comes after the first text batch.
+
+#include "sdq-hooks.h"
+#include "mtmd.h"
+
+extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total) {
+    mtmd_context_params params = mtmd_context_params_default();
+    params.use_gpu = false;
+    params.n_threads = n_threads;
+    params.print_timings = false;
+    const auto usage = mtmd_get_memory_usage(mmproj_path, params);
+    if (usage.empty()) {
+        return 1;
+    }
+    uint64_t sum = 0;
+    for (const auto & kv : usage) {
+        sum += kv.second;
+    }
+    *total = sum;
+    return 0;
+}
