@@ -5,10 +5,25 @@
 #pragma once
 
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
+
+// common/log.h: the tools log through a worker thread whose queue the pinned
+// tree never drains at exit (its singleton is leaked on purpose), so a tool's
+// last error line could be lost when it exits right after. Found as a missing
+// "mismatch" line of llama-mtmd-cli in a CI run.
+struct common_log;
+struct common_log * common_log_main();
+void common_log_flush(struct common_log * log);
+
+static void sdq_flush_log() {
+    common_log_flush(common_log_main());
+}
 
 template <int (*Entry)(int, char **)>
 static int sdq_guarded(int argc, char ** argv) {
+    // Also at exit(), which tools call from inside (--help, bad arguments).
+    std::atexit(sdq_flush_log);
     try {
         return Entry(argc, argv);
     } catch (const std::exception & e) {

@@ -142,14 +142,12 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(stdout(&o).trim().is_empty(), "answered with a projector for another model: {}", stdout(&o));
-    // Upstream logs the reason ("mismatch between text model (n_embd = 256)
-    // and mmproj (n_embd = 512)") through common_log's worker thread and
-    // then calls exit(1): the line is lost when exit wins the race (seen in
-    // a clean-clone CI run). TODO (issue 19): flush common_log at exit in the
-    // tool shim, then assert the message here.
+    // Upstream logs it through common_log's worker thread and then calls
+    // exit(1); the tool shim drains the log at exit so that the line is there.
+    assert!(err.contains("mismatch between text model (n_embd = 256) and mmproj (n_embd = 512)"), "{err}");
     let bad = scratch().join("vision-not-a-png.png");
     std::fs::write(&bad, b"not a png").unwrap();
-    for (path, says) in [(scratch().join("vision-missing.png"), "Unable to open file"), (bad.clone(), "failed to decode")] {
+    for (path, says) in [(scratch().join("vision-missing.png"), "Unable to open file"), (bad.clone(), "failed to decode buffer")] {
         let (model, mmproj) = vision_model();
         let o = run(
             Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(mmproj).arg("--image").arg(&path).args(["-p", "Hi", "-n", "2", "--ram-budget", "1G"]),
@@ -157,8 +155,9 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
         );
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{}: {err}", path.display());
-        // Upstream's messages; the undecodable file's does not name the file yet (issue 19).
+        // Upstream's message, then patch 0005's line naming the file.
         assert!(err.contains(says), "{}: {err}", path.display());
+        assert!(err.contains(&format!("cannot load {} as an image, audio or video file", path.display())), "{err}");
         assert!(!err.contains("panicked"), "{err}");
     }
 }
