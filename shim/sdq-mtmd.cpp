@@ -1,8 +1,8 @@
 // The memory a vision/audio projector takes once it is loaded: its weights
 // and the compute buffers mtmd reserves for its largest input, read from the
-// file's metadata by mtmd itself (nothing is loaded). sdq counts the compute
-// buffers before it sizes the arena: mtmd reserves them at load but first
-// touches them at the first encode, which comes after the first text batch.
+// file's metadata by mtmd itself (no tensor data is read). sdq counts both
+// before it sizes the arena, which the tools do when the text model is
+// loaded, before the projector.
 
 #include "sdq-hooks.h"
 #include "mtmd.h"

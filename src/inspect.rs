@@ -142,13 +142,27 @@ fn model_files(path: &Path, first: &Gguf) -> Result<Vec<PathBuf>> {
     Ok((1..=n).map(|i| PathBuf::from(format!("{prefix}-{i:05}-of-{n:05}.gguf"))).collect())
 }
 
-/// The accounting of `model`, as JSON (the text report is rendered from it).
-pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Result<Value> {
-    inspect_with_context(model, budget, reserve, None)
+/// What a run would add to the model: its budget, context and projector.
+#[derive(Clone, Debug, Default)]
+pub struct RunPlan<'a> {
+    /// `--ram-budget`: how the budget would be split.
+    pub budget: Option<u64>,
+    /// `--sdq-reserve` (default: the budget's default reserve).
+    pub reserve: Option<u64>,
+    /// The tool's `-c` (default: the model's own context).
+    pub n_ctx: Option<u64>,
+    /// The tool's `--mmproj`: counted in full before the arena, as a run does.
+    pub mmproj: Option<&'a Path>,
 }
 
-/// [`inspect`] for a run with a context of `n_ctx` tokens (default: the model's own).
-pub fn inspect_with_context(model: &Path, budget: Option<u64>, reserve: Option<u64>, n_ctx: Option<u64>) -> Result<Value> {
+/// The accounting of `model`, as JSON (the text report is rendered from it).
+pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Result<Value> {
+    inspect_run(model, &RunPlan { budget, reserve, ..RunPlan::default() })
+}
+
+/// [`inspect`] for a run as `plan` describes it.
+pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
+    let (budget, reserve, n_ctx) = (plan.budget, plan.reserve, plan.n_ctx);
     let first = Gguf::open(model)?;
     let files = model_files(model, &first)?;
     let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
@@ -250,6 +264,17 @@ pub fn inspect_with_context(model: &Path, budget: Option<u64>, reserve: Option<u
         }),
     );
 
+    let projector = match plan.mmproj {
+        Some(path) => Some(projector_memory(path)?),
+        None => None,
+    };
+    if let Some(p) = &projector {
+        o.insert(
+            "projector".into(),
+            json!({ "path": p.path.display().to_string(), "weights_bytes": p.weights, "compute_bytes": p.compute, "projector_type": p.kind }),
+        );
+    }
+
     if let Some(budget) = budget {
         let reserve = reserve.unwrap_or_else(|| budget::default_reserve(budget));
         // Under a budget the resident weights are read into memory (the default
@@ -259,7 +284,8 @@ pub fn inspect_with_context(model: &Path, budget: Option<u64>, reserve: Option<u
         // With --load-mode mmap the same bytes are held as mapped weights
         // instead, less the embedding's unread rows.
         let context = meta.context_bytes(&tensors.iter().map(|(_, t)| t.name.as_str()).collect::<Vec<_>>(), &first);
-        let anon_estimate = resident_total + context;
+        let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
+        let anon_estimate = resident_total + context + projector_bytes;
         let held = budget::Held { anon: anon_estimate, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
@@ -270,6 +296,7 @@ pub fn inspect_with_context(model: &Path, budget: Option<u64>, reserve: Option<u
                     "anonymous_after_load_estimate_bytes": anon_estimate,
                     "context_estimate_bytes": context,
                     "context_length": meta.n_ctx,
+                    "projector_estimate_bytes": projector_bytes,
                     "arena_bytes": arena,
                     "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
                     "token_cycles_held": arena as f64 / token_cycle as f64,
@@ -333,15 +360,28 @@ pub fn render(r: &Value) -> String {
             human(u(&r["nextn_skipped_bytes"]))
         ));
     }
+    if let Some(p) = r.get("projector") {
+        line(format!(
+            "projector      {} ({}): weights {}, compute buffers {} (counted before the arena)",
+            p["path"].as_str().unwrap_or(""),
+            p["projector_type"].as_str().unwrap_or("?"),
+            human(u(&p["weights_bytes"])),
+            human(u(&p["compute_bytes"]))
+        ));
+    }
     if let Some(b) = r.get("budget") {
         line(format!("\nbudget {}  reserve {}", human(u(&b["budget_bytes"])), human(u(&b["reserve_bytes"]))));
         if let Some(e) = b["error"].as_str() {
             line(format!("  {e}"));
         } else {
             line(format!(
-                "  anonymous memory after load (estimate: resident weights + {} of context at {} tokens) {}, arena {}, {:.1} token cycles",
+                "  anonymous memory after load (estimate: resident weights + {} of context at {} tokens{}) {}, arena {}, {:.1} token cycles",
                 human(u(&b["context_estimate_bytes"])),
                 u(&b["context_length"]),
+                match u(&b["projector_estimate_bytes"]) {
+                    0 => String::new(),
+                    p => format!(" + {} of projector", human(p)),
+                },
                 human(u(&b["anonymous_after_load_estimate_bytes"])),
                 human(u(&b["arena_bytes"])),
                 b["token_cycles_held"].as_f64().unwrap_or(0.0)
@@ -353,4 +393,25 @@ pub fn render(r: &Value) -> String {
         }
     }
     s
+}
+
+/// A projector file's memory once a tool loads it (see [`projector_memory`]).
+struct Projector {
+    path: PathBuf,
+    kind: String,
+    weights: u64,
+    compute: u64,
+}
+
+/// Reads `path` as a projector: its weights from the file, its compute
+/// buffers from mtmd (sized for its largest input, nothing loaded).
+fn projector_memory(path: &Path) -> Result<Projector> {
+    let g = Gguf::open(path)?;
+    let kind = g.get("clip.projector_type").and_then(|v| v.as_str().map(str::to_string));
+    let Some(kind) = kind.or_else(|| g.get("clip.vision.projector_type").and_then(|v| v.as_str().map(str::to_string))) else {
+        return Err(Error::gguf(path, "is not a projector (no clip.projector_type): pass the text model as MODEL and the mmproj file as --mmproj"));
+    };
+    let weights = g.tensors().iter().map(|t| t.size).sum();
+    let total = crate::hooks::projector_memory(path).ok_or_else(|| Error::gguf(path, format!("mtmd cannot load this {kind} projector")))?;
+    Ok(Projector { path: path.to_path_buf(), kind, weights, compute: total.saturating_sub(weights) })
 }

@@ -44,8 +44,8 @@ pub struct Options {
     /// The hot set to start from and save at exit (`--sdq-hotset`, `SDQ_HOTSET_FILE`).
     pub hotset_file: Option<PathBuf>,
     /// The projector the tool loads (upstream's `--mmproj`/`-mm`, or
-    /// `LLAMA_ARG_MMPROJ`), read but left for the tool: its compute buffers
-    /// are counted before the arena is sized.
+    /// `LLAMA_ARG_MMPROJ`), read but left for the tool: its weights and compute
+    /// buffers are counted before the arena is sized.
     pub mmproj: Option<PathBuf>,
 }
 

@@ -76,8 +76,16 @@ pub struct Runtime {
     /// Experts the hot set listed for reading at start.
     warm_listed: AtomicU64,
     /// The arena's size under memory pressure (from the pager's creation).
-    watch: Mutex<Option<crate::pressure::Watch>>,    /// The projector's compute buffers counted when the arena was sized.
-    projector_compute: AtomicU64,
+    watch: Mutex<Option<crate::pressure::Watch>>,
+    /// The projector's weights and compute buffers counted when the arena was sized.
+    projector: Mutex<Option<ProjectorMemory>>,
+}
+
+/// What the tool's projector (`--mmproj`) takes once loaded.
+#[derive(Clone, Copy, Debug)]
+struct ProjectorMemory {
+    weights: u64,
+    compute: u64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -108,7 +116,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         hotset,
         warm_listed: AtomicU64::new(0),
         watch: Mutex::new(None),
-        projector_compute: AtomicU64::new(0),
+        projector: Mutex::new(None),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -314,19 +322,24 @@ impl Runtime {
         let layout = Layout::build(&tensors, &files, self.options.direct_io.unwrap_or(true))?;
         layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
-        let projector_compute = self.projector_compute_bytes();
-        let held = budget::Held { anon: rss + projector_compute, mapped };
+        let projector = self.projector_memory();
+        let projector_bytes = projector.map_or(0, |p| p.weights + p.compute);
+        let held = budget::Held { anon: rss + projector_bytes, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
         let too_small = || {
             Error::invalid(format!(
-                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory and {} of mapped weights, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
+                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory and {} of mapped weights{}, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
                 human(self.budget),
                 human(rss),
                 human(mapped),
+                match (&self.options.mmproj, projector_bytes) {
+                    (Some(path), b) if b > 0 => format!(", the projector {} takes {} more", path.display(), human(b)),
+                    _ => String::new(),
+                },
                 human(reserve),
                 human(min_arena),
-                human(rss + mapped + reserve + min_arena)
+                human(rss + projector_bytes + mapped + reserve + min_arena)
             ))
         };
         let arena_bytes = budget::arena_bytes(self.budget, reserve, held, budget::rlimit_data()).map_err(|_| too_small())?;
@@ -370,24 +383,29 @@ impl Runtime {
         Ok((pager, plan))
     }
 
-    /// The compute buffers of the projector the tool loaded (`--mmproj`),
-    /// which it first touches at its first encode, after the arena is
-    /// sized: mtmd's own figure (weights + buffers) less the weights, which
-    /// are resident by now. 0 without a projector, or if mtmd cannot read it.
-    fn projector_compute_bytes(&self) -> u64 {
-        let Some(path) = &self.options.mmproj else { return 0 };
+    /// The memory of the projector the tool loads (`--mmproj`): its weights
+    /// and the compute buffers mtmd reserves for its largest input (mtmd's
+    /// own figure, from the file's metadata, nothing loaded). All of it is
+    /// counted: every tool loads the text model, and so sizes the arena,
+    /// before it loads the projector. None without a projector; a projector
+    /// mtmd cannot read is left to the tool, which reports it.
+    fn projector_memory(&self) -> Option<ProjectorMemory> {
+        let path = self.options.mmproj.as_ref()?;
         let weights: u64 = match crate::gguf::Gguf::open(path) {
             Ok(g) => g.tensors().iter().map(|t| t.size).sum(),
-            Err(_) => return 0,
+            Err(e) => {
+                log::warn!("{e}: the projector's memory is left to the reserve");
+                return None;
+            }
         };
         let Some(total) = crate::hooks::projector_memory(path) else {
-            log::warn!("{}: mtmd could not size this projector; its compute buffers are left to the reserve", path.display());
-            return 0;
+            log::warn!("{}: mtmd could not size this projector; its memory is left to the reserve", path.display());
+            return None;
         };
-        let compute = total.saturating_sub(weights);
-        log::info!("projector {}: {} of weights, {} of compute buffers counted before the arena", path.display(), human(weights), human(compute));
-        self.projector_compute.store(compute, Ordering::Relaxed);
-        compute
+        let p = ProjectorMemory { weights, compute: total.saturating_sub(weights) };
+        log::info!("projector {}: {} of weights and {} of compute buffers counted before the arena", path.display(), human(p.weights), human(p.compute));
+        *self.projector.lock().unwrap() = Some(p);
+        Some(p)
     }
 
     /// True if the routing is being recorded.
@@ -567,7 +585,9 @@ impl Runtime {
             o.insert("room_bytes".into(), json!(watch.as_ref().map_or(self.budget, |w| w.room)));
             drop(watch);
             o.insert("load_seconds".into(), json!(plan.load_seconds));
-            o.insert("projector_compute_bytes".into(), json!(self.projector_compute.load(Ordering::Relaxed)));
+            let projector = *self.projector.lock().unwrap();
+            o.insert("projector_weights_bytes".into(), json!(projector.map_or(0, |p| p.weights)));
+            o.insert("projector_compute_bytes".into(), json!(projector.map_or(0, |p| p.compute)));
             o.insert("top_k".into(), json!(plan.top_k));
             // Paged tensors by the layout their experts take in the arena
             // (stock's: "plain", or a repacked layout such as "q4_K_8x8_q8_K").

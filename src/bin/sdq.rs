@@ -199,10 +199,15 @@ struct InspectArgs {
     /// as llama.cpp's tools take it. Sizes the KV cache in the budget estimate.
     #[arg(short = 'c', long)]
     ctx_size: Option<u64>,
+    /// The projector the tool will load (its --mmproj): its weights and
+    /// compute buffers are counted before the arena.
+    #[arg(long)]
+    mmproj: Option<PathBuf>,
 }
 
 fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
-    let r = sdq::inspect::inspect_with_context(&a.model, opts.budget, opts.reserve, a.ctx_size)?;
+    let plan = sdq::inspect::RunPlan { budget: opts.budget, reserve: opts.reserve, n_ctx: a.ctx_size, mmproj: a.mmproj.as_deref() };
+    let r = sdq::inspect::inspect_run(&a.model, &plan)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r).expect("serialize"));
     } else {

@@ -124,6 +124,36 @@ fn an_image_prompt_gives_stocks_tokens_under_a_budget() {
     assert_eq!(paged, stock, "an image prompt under a budget answered differently from stock");
     let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert_eq!(s["paged"], true, "{s}");
+    assert_eq!(s["hit_rate"].as_f64(), Some(1.0), "every expert resident at 1 GiB: {s}");
+
+    // The tightest budget this run takes, as the run itself states it (the
+    // projector counted), plus 2 MiB: an arena of a few slots, which misses.
+    let (_, err, code) = describe(&["--ram-budget", "160M"]);
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains(&format!("the projector {} takes", vision_model().1.display())), "{err}");
+    let min = min_budget_in(&err);
+    let budget = min + (2 << 20);
+    let (paged, err, code) = describe(&["--ram-budget", &budget.to_string(), "--sdq-stats", stats.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert_eq!(paged, stock, "an image prompt at a tight budget answered differently from stock");
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["misses"].as_u64().unwrap() > 0 && s["hit_rate"].as_f64().unwrap() < 0.9, "the arena was not tight: {s}");
+    assert!(s["projector_weights_bytes"].as_u64().unwrap() > 4 << 20 && s["projector_compute_bytes"].as_u64().unwrap() > 0, "{s}");
+    let peak = s["peak_rss_anon_bytes"].as_u64().unwrap();
+    assert!(peak <= budget, "peak anonymous RSS {peak} over the budget {budget}: {s}");
+}
+
+/// "the minimum budget is 257.3 MiB" in sdq's error, in bytes (rounded up).
+fn min_budget_in(err: &str) -> u64 {
+    let rest = &err[err.find("the minimum budget is ").expect("a minimum budget in the error") + "the minimum budget is ".len()..];
+    let mut words = rest.split_whitespace();
+    let n: f64 = words.next().unwrap().parse().unwrap();
+    let unit = match words.next().unwrap().trim_end_matches([',', ')', ';']) {
+        "MiB" => 1u64 << 20,
+        "GiB" => 1 << 30,
+        u => panic!("unit {u} in {err}"),
+    };
+    ((n + 0.05) * unit as f64) as u64
 }
 
 #[test]
@@ -199,9 +229,48 @@ fn llama_server_answers_a_chat_request_with_an_image_under_a_budget() {
         chat_with_image(port)
     };
     assert!(!stock.is_empty());
+    // The tightest budget the server takes (its own error says, projector
+    // counted), plus 2 MiB: an arena of a few slots.
+    let o = run(Command::new(bin("llama-server")).args(common).args(["--port", "0", "--ram-budget", "160M"]), 120);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let budget = (min_budget_in(&err) + (2 << 20)).to_string();
     let stats = scratch().join("vision-server-stats.json");
-    let (_server, port) = start_server(&[&common[..], &["--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]].concat());
+    let (_server, port) = start_server(&[&common[..], &["--ram-budget", &budget, "--sdq-stats", stats.to_str().unwrap()]].concat());
     assert_eq!(chat_with_image(port), stock, "an image chat under a budget answered differently from stock");
-    let s = stats_when(&stats, 30, "the pager's figures", |s| s["paged"] == true);
-    assert!(u(&s, "hits") + u(&s, "misses") > 0, "{s}");
+
+    // An image the server cannot decode is that request's error; the next
+    // request is answered as stock answers it.
+    let body = r#"{"messages":[{"role":"user","content":[{"type":"text","text":"What is in this picture?"},{"type":"image_url","image_url":{"url":"data:image/png;base64,bm90IGEgcG5n"}}]}],"max_tokens":4}"#;
+    let (status, answer) = http(port, "POST", "/v1/chat/completions", Some(body)).expect("request within its timeout");
+    assert!((400..500).contains(&status) && answer.contains("Failed to load image"), "{status}: {answer}");
+    assert_eq!(chat_with_image(port), stock, "after a bad image");
+
+    let s = stats_when(&stats, 30, "the pager's figures", |s| s["paged"] == true && u(s, "misses") > 0);
+    assert!(s["hit_rate"].as_f64().unwrap() < 0.95, "the arena was not tight: {s}");
+    assert!(u(&s, "peak_rss_anon_bytes") <= u(&s, "budget_bytes"), "{s}");
+}
+
+#[test]
+fn sdq_inspect_counts_the_projector_before_the_arena() {
+    let (model, mmproj) = vision_model();
+    let inspect = |extra: &[&str]| {
+        let o = run(Command::new(bin("sdq")).arg("inspect").arg(model).args(["--ram-budget", "400M", "--json"]).args(extra), 120);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()
+    };
+    let text_only = inspect(&[]);
+    let with = inspect(&["--mmproj", mmproj.to_str().unwrap()]);
+    let p = &with["projector"];
+    assert_eq!(p["projector_type"], "minicpmv4_6", "{p}");
+    let weights = u(p, "weights_bytes");
+    assert_eq!(weights, sdq::gguf::Gguf::open(mmproj).unwrap().tensors().iter().map(|t| t.size).sum::<u64>());
+    assert!(u(p, "compute_bytes") > 0, "{p}");
+    let projector = weights + u(p, "compute_bytes");
+    assert_eq!(u(&with["budget"], "projector_estimate_bytes"), projector);
+    assert_eq!(u(&text_only["budget"], "arena_bytes") - u(&with["budget"], "arena_bytes"), projector, "{with}");
+
+    let o = run(Command::new(bin("sdq")).arg("inspect").arg(model).arg("--mmproj").arg(model), 60);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(stderr(&o).contains("is not a projector (no clip.projector_type)"), "{}", stderr(&o));
 }
