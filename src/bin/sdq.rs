@@ -362,6 +362,10 @@ struct GenModelArgs {
     /// model then gets the image tokens its template needs).
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// The projector's vision tower: small (5 MB) or so400m (SigLIP-so400m,
+    /// ~0.9 GB, the real one's size); default: so400m for --preset 35b-a3b.
+    #[arg(long)]
+    mmproj_size: Option<String>,
 }
 
 fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
@@ -393,10 +397,12 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
     }
     let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some() };
+    let size = a.mmproj_size.as_deref().unwrap_or(genmodel::Projector::default_for(&opts.preset));
+    genmodel::Projector::named(size, &spec)?; // before the text model is written
     let report = genmodel::generate(&spec, &opts)?;
     if let Some(path) = &a.mmproj {
-        let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() })?;
-        println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
+        let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() }, size)?;
+        println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector, {size} tower) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
     }
     println!(
         "wrote {} ({} bytes, {} tensors, {} {} layers, {} experts top-{}) in {:.1} s",

@@ -60,8 +60,8 @@ pub fn generate(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
 }
 
 /// Writes a MiniCPM-V 4.6 projector for the text model `spec` to `opts.out`.
-pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions) -> Result<GenReport> {
-    let projector = Projector::for_text(spec);
+pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions, size: &str) -> Result<GenReport> {
+    let projector = Projector::named(size, spec)?;
     let plan = projector.plan();
     let mut builder = GgufBuilder::new(plan.len());
     projector.write_metadata(&mut builder);
