@@ -50,9 +50,10 @@ impl Projector {
         let proj_dim = text.n_embd;
         match name {
             "small" => Ok(Projector { n_embd: 128, n_head: 2, n_ff: 256, n_layer: 3, insert: 1, patch: 14, image_size: 224, merger_ff: 512, proj_dim }),
-            // The ViT merger's place is not in the pinned tree's converter
-            // notes; the middle of the tower costs what any place costs.
-            "so400m" => Ok(Projector { n_embd: 1152, n_head: 16, n_ff: 4304, n_layer: 27, insert: 13, patch: 14, image_size: 448, merger_ff: 4608, proj_dim }),
+            // After block 6: the pinned tree's converter's default
+            // `insert_layer_id` (conversion/minicpm.py). It matters: the
+            // blocks after the ViT merger see a quarter of the tokens.
+            "so400m" => Ok(Projector { n_embd: 1152, n_head: 16, n_ff: 4304, n_layer: 27, insert: 6, patch: 14, image_size: 448, merger_ff: 4608, proj_dim }),
             other => Err(Error::invalid(format!("unknown projector size '{other}' (small, so400m)"))),
         }
     }
