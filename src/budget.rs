@@ -229,6 +229,17 @@ mod tests {
     }
 }
 
+/// This process's page faults so far: (minor, major).
+pub fn page_faults() -> (u64, u64) {
+    // SAFETY: getrusage fills the struct we pass and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return (0, 0);
+    }
+    (ru.ru_minflt.max(0) as u64, ru.ru_majflt.max(0) as u64)
+}
+
 /// CPU time the calling thread has used, in nanoseconds (0 where the clock
 /// is unavailable): what a piece of work cost, whatever else shared the cores.
 pub fn thread_cpu_ns() -> u64 {

@@ -34,6 +34,8 @@ pub struct Options {
     pub direct_io: Option<bool>,
     /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1 or idle).
     pub populate: Option<crate::pager::Populate>,
+    /// Which pages the arena asks for (`SDQ_HUGEPAGES`: auto or 0).
+    pub pages: Option<crate::pager::PageChoice>,
     /// Read every expert in the background when the arena holds them all
     /// (`SDQ_PRELOAD`, default on).
     pub preload: Option<bool>,
@@ -78,6 +80,8 @@ SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (de
 SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as slots fill,
                          idle (default) slot by slot on a background thread at idle priority
 SDQ_PRELOAD=0|1          read every expert in the background when the arena holds them all (default 1)
+SDQ_HUGEPAGES=auto|0     the arena on 2 MiB transparent huge pages where the system offers them
+                         (auto, the default), or on 4 KiB pages only (0)
 ";
 
 fn policy_of(flag: &str, value: &str) -> Result<crate::pager::policy::PolicyKind> {
@@ -159,6 +163,10 @@ impl Options {
             Some(v) => Some(crate::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1 or idle")))?),
         };
         o.preload = switch(&env, "SDQ_PRELOAD")?;
+        o.pages = match env("SDQ_HUGEPAGES").filter(|v| !v.is_empty()) {
+            None => None,
+            Some(v) => Some(crate::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto or 0")))?),
+        };
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
         }
@@ -276,6 +284,9 @@ impl Options {
         if let Some(p) = self.populate {
             env.push(("SDQ_POPULATE", p.name().to_string()));
         }
+        if let Some(p) = self.pages {
+            env.push(("SDQ_HUGEPAGES", p.name().to_string()));
+        }
         for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_PRELOAD", self.preload)] {
             if let Some(on) = value {
                 env.push((name, if on { "1" } else { "0" }.to_string()));
@@ -326,6 +337,7 @@ mod tests {
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
             (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
             (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
+            (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto or 0"),
             (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'"),
         ] {
             let e = parse(args, env).0.unwrap_err().to_string();
@@ -335,7 +347,7 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), read_retries: Some(5), read_backoff_ms: Some(10), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
+        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), read_retries: Some(5), read_backoff_ms: Some(10), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::pager::Populate::Idle), pages: Some(crate::pager::PageChoice::Small), preload: Some(false), policy: Some(crate::pager::policy::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -367,7 +367,11 @@ impl Runtime {
             backoff: self.options.read_backoff_ms.map_or(defaults.backoff, std::time::Duration::from_millis),
         };
         let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
-        let pager = Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default())?;
+        let pages = self.options.pages.unwrap_or_default();
+        let pager = Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), pages)?;
+        if let (crate::pager::PageChoice::Auto, crate::pager::arena::Backing::Small(why)) = (pages, pager.arena_backing()) {
+            eprintln!("sdq: notice: {why}: the expert arena uses 4 KiB pages");
+        }
         if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
             hot.check_model(path, &geometry(pager.layout()))?;
             let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
@@ -584,6 +588,13 @@ impl Runtime {
             o.insert("arena_grows".into(), json!(watch.as_ref().map_or(0, |w| w.grows)));
             o.insert("room_bytes".into(), json!(watch.as_ref().map_or(self.budget, |w| w.room)));
             drop(watch);
+            // Which pages the arena got: the kind it asked for, and how much
+            // of it the kernel holds in huge pages now.
+            o.insert("arena_pages".into(), json!(pager.arena_backing().name()));
+            o.insert("arena_huge_bytes".into(), json!(pager.arena_huge_bytes()));
+            let (minor, major) = budget::page_faults();
+            o.insert("minor_faults".into(), json!(minor));
+            o.insert("major_faults".into(), json!(major));
             o.insert("load_seconds".into(), json!(plan.load_seconds));
             let projector = *self.projector.lock().unwrap();
             o.insert("projector_weights_bytes".into(), json!(projector.map_or(0, |p| p.weights)));

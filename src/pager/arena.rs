@@ -54,12 +54,82 @@ impl SlotClass {
     }
 }
 
+/// The size of a transparent huge page on x86-64 and arm64 (4 KiB base pages).
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Which pages the arena asks for (`SDQ_HUGEPAGES`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum PageChoice {
+    /// Transparent huge pages where the system offers them (`auto`, the default).
+    #[default]
+    Auto,
+    /// 4 KiB pages only (`0`).
+    Small,
+}
+
+impl PageChoice {
+    pub fn parse(v: &str) -> Option<PageChoice> {
+        match v.trim() {
+            "auto" | "1" | "on" | "thp" => Some(PageChoice::Auto),
+            "0" | "off" | "4k" => Some(PageChoice::Small),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            PageChoice::Auto => "auto",
+            PageChoice::Small => "0",
+        }
+    }
+}
+
+/// The pages behind the arena.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// 2 MiB transparent huge pages, asked for with `MADV_HUGEPAGE` (the
+    /// kernel still gives 4 KiB pages where it finds no free 2 MiB).
+    TransparentHuge,
+    /// 4 KiB pages, and why.
+    Small(String),
+}
+
+impl Backing {
+    /// As the stats file names it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Backing::TransparentHuge => "2 MiB transparent huge pages",
+            Backing::Small(_) => "4 KiB pages",
+        }
+    }
+}
+
+/// The system's transparent huge page mode (`always`, `madvise` or
+/// `never`), from sysfs; None where the kernel has none.
+pub fn thp_mode() -> Option<String> {
+    let s = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/enabled").ok()?;
+    let start = s.find('[')? + 1;
+    let end = start + s[start..].find(']')?;
+    Some(s[start..end].to_string())
+}
+
+/// The pages an arena gets with `choice` on this system.
+pub fn backing_for(choice: PageChoice) -> Backing {
+    match (choice, thp_mode().as_deref()) {
+        (PageChoice::Small, _) => Backing::Small("SDQ_HUGEPAGES=0".into()),
+        (PageChoice::Auto, Some("always" | "madvise")) => Backing::TransparentHuge,
+        (PageChoice::Auto, Some(mode)) => Backing::Small(format!("transparent huge pages are {mode} on this system")),
+        (PageChoice::Auto, None) => Backing::Small("this kernel has no transparent huge pages".into()),
+    }
+}
+
 /// The mapping. Invariants: `base..base+len` is a live private anonymous
-/// mapping owned by this value; classes tile it without overlap.
+/// mapping owned by this value; classes tile it without overlap from `base`.
 pub struct Arena {
     base: NonNull<u8>,
     len: usize,
     classes: Vec<SlotClass>,
+    backing: Backing,
 }
 
 // SAFETY: the arena hands out slot memory only through `slot`/`slot_mut`,
@@ -70,16 +140,27 @@ unsafe impl Send for Arena {}
 unsafe impl Sync for Arena {}
 
 impl Arena {
-    /// Maps an arena holding `counts[i]` slots of `expert_bytes[i]` bytes.
-    /// Pages are only committed as slots are filled.
+    /// Maps an arena holding `counts[i]` slots of `expert_bytes[i]` bytes, on
+    /// 4 KiB pages. Pages are only committed as slots are filled.
     pub fn new(classes: &[(usize, usize)]) -> io::Result<Arena> {
+        Arena::with_backing(classes, Backing::Small("asked for".into()))
+    }
+
+    /// [`Arena::new`] on the pages `backing` names. For huge pages the
+    /// mapping starts on a 2 MiB boundary and its length is rounded up to
+    /// one, so every 2 MiB of it can be a huge page: the classes tile it
+    /// end to end, and a slot may straddle two huge pages (nothing is
+    /// padded; at most the last 2 MiB is partly unused).
+    pub fn with_backing(classes: &[(usize, usize)], backing: Backing) -> io::Result<Arena> {
         let (out, bytes) = SlotClass::tile(classes)?;
-        let len = bytes.max(SLOT_ALIGN);
+        let huge = backing == Backing::TransparentHuge;
+        let (len, align) = if huge { (bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE, HUGE_PAGE) } else { (bytes.max(SLOT_ALIGN), SLOT_ALIGN) };
+        let span = len + (align - SLOT_ALIGN);
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
-                len,
+                span,
                 libc::PROT_READ | libc::PROT_WRITE,
                 libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
                 -1,
@@ -89,8 +170,59 @@ impl Arena {
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }
-        let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-        Ok(Arena { base, len, classes: out })
+        let start = p as usize;
+        let aligned = start.div_ceil(align) * align;
+        // SAFETY: both ranges lie inside the mapping just made and outside
+        // aligned..aligned+len, which is kept; unmapping them affects nothing else.
+        unsafe {
+            if aligned > start {
+                libc::munmap(p, aligned - start);
+            }
+            let tail = start + span - (aligned + len);
+            if tail > 0 {
+                libc::munmap((aligned + len) as *mut libc::c_void, tail);
+            }
+        }
+        let base = NonNull::new(aligned as *mut u8).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+        let mut backing = backing;
+        if huge {
+            // SAFETY: base/len are the live mapping; MADV_HUGEPAGE only changes
+            // which pages later faults take.
+            if unsafe { libc::madvise(base.as_ptr().cast(), len, libc::MADV_HUGEPAGE) } != 0 {
+                backing = Backing::Small(format!("madvise(MADV_HUGEPAGE) failed: {}", io::Error::last_os_error()));
+            }
+        }
+        Ok(Arena { base, len, classes: out, backing })
+    }
+
+    /// The pages behind the arena.
+    pub fn backing(&self) -> &Backing {
+        &self.backing
+    }
+
+    /// Bytes of the arena the kernel holds in huge pages now
+    /// (`AnonHugePages` of its mapping in /proc/self/smaps); None if unreadable.
+    pub fn huge_bytes(&self) -> Option<u64> {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+        let (lo, hi) = (self.base.as_ptr() as usize, self.base.as_ptr() as usize + self.len);
+        let mut inside = false;
+        let mut total = 0;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((a, b)) = range.split_once('-') {
+                    if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
+                        inside = a < hi && b > lo;
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                    total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
+                }
+            }
+        }
+        Some(total)
     }
 
     pub fn classes(&self) -> &[SlotClass] {
@@ -256,6 +388,30 @@ mod tests {
             }
             assert_eq!(a.slot(4).len(), 100);
         }
+    }
+
+    #[test]
+    fn a_huge_page_arena_starts_on_2_mib_and_keeps_every_byte() {
+        let slots = [(2_039_808, 5), (1_000_000, 3)];
+        let a = Arena::with_backing(&slots, Backing::TransparentHuge).unwrap();
+        assert_eq!(a.base.as_ptr() as usize % HUGE_PAGE, 0);
+        assert_eq!(a.len() % HUGE_PAGE, 0);
+        assert!(a.len() >= a.classes()[1].offset + 3 * slot_bytes(1_000_000));
+        // SAFETY: single-threaded test; slots are written, one discarded, then read.
+        unsafe {
+            for id in 0..8 {
+                a.slot_mut(id).fill(id as u8 + 1);
+            }
+            a.discard(2..3).unwrap(); // part of two huge pages: the kernel splits them
+            for id in 0..8 {
+                let want = if id == 2 { 0 } else { id as u8 + 1 };
+                assert!(a.slot(id).iter().all(|&b| b == want), "slot {id}");
+            }
+        }
+        if matches!(thp_mode().as_deref(), Some("always" | "madvise")) {
+            assert_eq!(a.backing(), &Backing::TransparentHuge);
+        }
+        assert!(a.huge_bytes().is_some());
     }
 
     #[test]

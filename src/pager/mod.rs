@@ -26,6 +26,7 @@ pub mod residency;
 
 use crate::error::{Error, Result};
 use crate::ggml::WeightLayout;
+pub use arena::PageChoice;
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
 use policy::PolicyKind;
@@ -285,10 +286,10 @@ impl Drop for PinnedExpert<'_> {
 impl Pager {
     /// A pager over `layout` with `slots[i]` slots for class i, reading
     /// with `readers` threads, its arena faulted in as `populate` says.
-    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind) -> Result<Pager> {
+    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind, pages: PageChoice) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
-        let arena = Arena::new(&classes)
+        let arena = Arena::with_backing(&classes, arena::backing_for(pages))
             .map_err(|e| Error::invalid(format!("cannot map an expert arena of {} slots: {e}", slots.iter().sum::<usize>())))?;
         let n = arena.n_slots();
         let state = State {
@@ -339,6 +340,16 @@ impl Pager {
             }
         }
         Ok(Pager { shared, readers })
+    }
+
+    /// The pages behind the arena.
+    pub fn arena_backing(&self) -> &arena::Backing {
+        self.shared.arena.backing()
+    }
+
+    /// Bytes of the arena in huge pages now (None if unreadable).
+    pub fn arena_huge_bytes(&self) -> Option<u64> {
+        self.shared.arena.huge_bytes()
     }
 
     pub fn layout(&self) -> &Layout {
