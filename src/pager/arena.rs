@@ -118,7 +118,7 @@ pub fn backing_for(choice: PageChoice) -> Backing {
     match (choice, thp_mode().as_deref()) {
         (PageChoice::Small, _) => Backing::Small("SDQ_HUGEPAGES=0".into()),
         (PageChoice::Auto, Some("always" | "madvise")) => Backing::TransparentHuge,
-        (PageChoice::Auto, Some(mode)) => Backing::Small(format!("transparent huge pages are {mode} on this system")),
+        (PageChoice::Auto, Some(mode)) => Backing::Small(format!("transparent huge pages are off on this system ({mode})")),
         (PageChoice::Auto, None) => Backing::Small("this kernel has no transparent huge pages".into()),
     }
 }

@@ -7,6 +7,7 @@ mod genmodel;
 mod inspect;
 mod limit;
 mod load;
+mod pages;
 mod pager;
 mod replay;
 mod server;

@@ -1,0 +1,78 @@
+//! The arena's pages: 2 MiB transparent huge pages where the system offers
+//! them, 4 KiB pages otherwise, and the same tokens either way.
+
+use crate::util::*;
+use sdq::pager::arena::thp_mode;
+use std::process::Command;
+
+const THP: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
+
+/// One greedy run of the wide model under a budget with the arena faulted in
+/// first: (stdout, stderr, stats).
+fn run_paged(env: &[(&str, &str)], name: &str) -> (String, String, serde_json::Value) {
+    let stats = scratch().join(format!("pages-{name}.json"));
+    let o = run(
+        Command::new(bin("llama-completion"))
+            .args(completion_args(wide(), "The river by the lamp", 16))
+            .args(["--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()])
+            .env("SDQ_POPULATE", "1")
+            .envs(env.iter().copied()),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let s = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    (stdout(&o), stderr(&o), s)
+}
+
+#[test]
+fn the_arena_takes_huge_pages_where_offered_and_answers_as_on_4k_pages() {
+    let (huge, err, s) = run_paged(&[], "auto");
+    let (small, _, s4) = run_paged(&[("SDQ_HUGEPAGES", "0")], "4k");
+    let (stock, _) = {
+        let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    assert_eq!(huge, stock, "huge pages changed the answer");
+    assert_eq!(small, stock, "4 KiB pages changed the answer");
+    assert_eq!(s4["arena_pages"], "4 KiB pages", "{s4}");
+    assert_eq!(u(&s4, "arena_huge_bytes"), 0, "{s4}");
+    if matches!(thp_mode().as_deref(), Some("always" | "madvise")) {
+        assert_eq!(s["arena_pages"], "2 MiB transparent huge pages", "{s}");
+        // Populated at start on a machine with free memory: most of it in
+        // huge pages (the kernel compacts for a region that asked).
+        assert!(u(&s, "arena_huge_bytes") * 2 > u(&s, "arena_slot_bytes"), "{s}");
+        assert!(u(&s, "minor_faults") < u(&s4, "minor_faults"), "huge pages should take fewer faults: {} vs {}", s["minor_faults"], s4["minor_faults"]);
+        assert!(!err.contains("4 KiB pages"), "{err}");
+    }
+}
+
+/// Restores the system's THP mode when dropped (even if the test fails).
+struct ThpMode(String);
+
+impl Drop for ThpMode {
+    fn drop(&mut self) {
+        let _ = std::fs::write(THP, &self.0);
+    }
+}
+
+#[test]
+fn with_huge_pages_off_the_arena_falls_back_to_4k_pages_with_one_notice() {
+    let Some(mode) = thp_mode() else {
+        eprintln!("no transparent huge pages in this kernel: the fallback is the only path");
+        return;
+    };
+    if std::fs::write(THP, &mode).is_err() {
+        eprintln!("{THP} is not writable (not root): cannot switch huge pages off for this test");
+        return;
+    }
+    let _restore = ThpMode(mode);
+    std::fs::write(THP, "never").unwrap();
+    let (answer, err, s) = run_paged(&[], "never");
+    let notices: Vec<&str> = err.lines().filter(|l| l.contains("4 KiB pages")).collect();
+    assert_eq!(notices, ["sdq: notice: transparent huge pages are off on this system (never): the expert arena uses 4 KiB pages"], "{err}");
+    assert_eq!(s["arena_pages"], "4 KiB pages", "{s}");
+    assert_eq!(u(&s, "arena_huge_bytes"), 0, "{s}");
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300);
+    assert_eq!(answer, stdout(&o));
+}
