@@ -61,7 +61,7 @@ pub fn default_reserve(budget: u64) -> u64 {
 /// Memory figures of this process from `/proc/self/status`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ProcMemory {
-    /// Resident anonymous memory (`RssAnon`): what the budget limits. File
+    /// Resident anonymous memory (`RssAnon`, plus `HugetlbPages`): what the budget limits. File
     /// pages of the mmapped model are clean and reclaimable, so they do not count.
     pub rss_anon: u64,
     /// Peak resident set (`VmHWM`, includes file pages).
@@ -82,7 +82,9 @@ impl ProcMemory {
             let Some((key, rest)) = line.split_once(':') else { continue };
             let kib = rest.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0);
             match key {
-                "RssAnon" => m.rss_anon = kib * KIB,
+                // hugetlb pages (an arena on SDQ_HUGEPAGES=hugetlb) are
+                // anonymous memory the process holds, outside RssAnon.
+                "RssAnon" | "HugetlbPages" => m.rss_anon += kib * KIB,
                 "VmHWM" => m.vm_hwm = kib * KIB,
                 "VmSwap" => m.vm_swap = kib * KIB,
                 _ => {}

@@ -34,7 +34,7 @@ pub struct Options {
     pub direct_io: Option<bool>,
     /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1 or idle).
     pub populate: Option<crate::pager::Populate>,
-    /// Which pages the arena asks for (`SDQ_HUGEPAGES`: auto or 0).
+    /// Which pages the arena asks for (`SDQ_HUGEPAGES`: auto, 0 or hugetlb).
     pub pages: Option<crate::pager::PageChoice>,
     /// Read every expert in the background when the arena holds them all
     /// (`SDQ_PRELOAD`, default on).
@@ -80,8 +80,9 @@ SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (de
 SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as slots fill,
                          idle (default) slot by slot on a background thread at idle priority
 SDQ_PRELOAD=0|1          read every expert in the background when the arena holds them all (default 1)
-SDQ_HUGEPAGES=auto|0     the arena on 2 MiB transparent huge pages where the system offers them
-                         (auto, the default), or on 4 KiB pages only (0)
+SDQ_HUGEPAGES=auto|0|hugetlb  the arena on 2 MiB transparent huge pages where the system offers
+                         them (auto, the default), on 4 KiB pages only (0), or on reserved
+                         hugetlb pages (vm.nr_hugepages), falling back to auto
 ";
 
 fn policy_of(flag: &str, value: &str) -> Result<crate::pager::policy::PolicyKind> {
@@ -165,7 +166,7 @@ impl Options {
         o.preload = switch(&env, "SDQ_PRELOAD")?;
         o.pages = match env("SDQ_HUGEPAGES").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => Some(crate::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto or 0")))?),
+            Some(v) => Some(crate::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto, 0 or hugetlb")))?),
         };
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
@@ -337,7 +338,7 @@ mod tests {
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
             (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
             (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
-            (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto or 0"),
+            (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto, 0 or hugetlb"),
             (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'"),
         ] {
             let e = parse(args, env).0.unwrap_err().to_string();

@@ -369,8 +369,8 @@ impl Runtime {
         let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
         let pages = self.options.pages.unwrap_or_default();
         let pager = Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), pages)?;
-        if let (crate::pager::PageChoice::Auto, crate::pager::arena::Backing::Small(why)) = (pages, pager.arena_backing()) {
-            eprintln!("sdq: notice: {why}: the expert arena uses 4 KiB pages");
+        if let Some(why) = pager.arena_fallback() {
+            eprintln!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
         }
         if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
             hot.check_model(path, &geometry(pager.layout()))?;

@@ -65,6 +65,10 @@ pub enum PageChoice {
     Auto,
     /// 4 KiB pages only (`0`).
     Small,
+    /// Explicit 2 MiB huge pages from the system's reserved pool
+    /// (`hugetlb`; `vm.nr_hugepages`), falling back to `Auto` where the pool
+    /// cannot hold the arena.
+    Hugetlb,
 }
 
 impl PageChoice {
@@ -72,6 +76,7 @@ impl PageChoice {
         match v.trim() {
             "auto" | "1" | "on" | "thp" => Some(PageChoice::Auto),
             "0" | "off" | "4k" => Some(PageChoice::Small),
+            "hugetlb" => Some(PageChoice::Hugetlb),
             _ => None,
         }
     }
@@ -80,6 +85,7 @@ impl PageChoice {
         match self {
             PageChoice::Auto => "auto",
             PageChoice::Small => "0",
+            PageChoice::Hugetlb => "hugetlb",
         }
     }
 }
@@ -90,8 +96,12 @@ pub enum Backing {
     /// 2 MiB transparent huge pages, asked for with `MADV_HUGEPAGE` (the
     /// kernel still gives 4 KiB pages where it finds no free 2 MiB).
     TransparentHuge,
-    /// 4 KiB pages, and why.
-    Small(String),
+    /// 2 MiB pages from the reserved hugetlb pool (`MAP_HUGETLB`): all of
+    /// them at once, never 4 KiB. They do not show in RssAnon, so the
+    /// budget's measure adds `HugetlbPages` (see `budget::ProcMemory`).
+    ExplicitHuge,
+    /// 4 KiB pages.
+    Small,
 }
 
 impl Backing {
@@ -99,7 +109,8 @@ impl Backing {
     pub fn name(&self) -> &'static str {
         match self {
             Backing::TransparentHuge => "2 MiB transparent huge pages",
-            Backing::Small(_) => "4 KiB pages",
+            Backing::ExplicitHuge => "2 MiB hugetlb pages",
+            Backing::Small => "4 KiB pages",
         }
     }
 }
@@ -113,13 +124,15 @@ pub fn thp_mode() -> Option<String> {
     Some(s[start..end].to_string())
 }
 
-/// The pages an arena gets with `choice` on this system.
-pub fn backing_for(choice: PageChoice) -> Backing {
+/// The pages an arena asks for with `choice` on this system, and why it
+/// gets less than `choice` names (None: what was asked for).
+pub fn backing_for(choice: PageChoice) -> (Backing, Option<String>) {
     match (choice, thp_mode().as_deref()) {
-        (PageChoice::Small, _) => Backing::Small("SDQ_HUGEPAGES=0".into()),
-        (PageChoice::Auto, Some("always" | "madvise")) => Backing::TransparentHuge,
-        (PageChoice::Auto, Some(mode)) => Backing::Small(format!("transparent huge pages are off on this system ({mode})")),
-        (PageChoice::Auto, None) => Backing::Small("this kernel has no transparent huge pages".into()),
+        (PageChoice::Hugetlb, _) => (Backing::ExplicitHuge, None),
+        (PageChoice::Small, _) => (Backing::Small, None),
+        (PageChoice::Auto, Some("always" | "madvise")) => (Backing::TransparentHuge, None),
+        (PageChoice::Auto, Some(mode)) => (Backing::Small, Some(format!("transparent huge pages are off on this system ({mode})"))),
+        (PageChoice::Auto, None) => (Backing::Small, Some("this kernel has no transparent huge pages".into())),
     }
 }
 
@@ -130,6 +143,8 @@ pub struct Arena {
     len: usize,
     classes: Vec<SlotClass>,
     backing: Backing,
+    /// Why the arena has other pages than it was asked for.
+    fallback: Option<String>,
 }
 
 // SAFETY: the arena hands out slot memory only through `slot`/`slot_mut`,
@@ -143,7 +158,18 @@ impl Arena {
     /// Maps an arena holding `counts[i]` slots of `expert_bytes[i]` bytes, on
     /// 4 KiB pages. Pages are only committed as slots are filled.
     pub fn new(classes: &[(usize, usize)]) -> io::Result<Arena> {
-        Arena::with_backing(classes, Backing::Small("asked for".into()))
+        Arena::with_pages(classes, PageChoice::Small)
+    }
+
+    /// [`Arena::new`] on the pages `choice` asks for, or what the system
+    /// gives instead (see [`Arena::fallback`]).
+    pub fn with_pages(classes: &[(usize, usize)], choice: PageChoice) -> io::Result<Arena> {
+        let (backing, why) = backing_for(choice);
+        let mut arena = Arena::with_backing(classes, backing)?;
+        if arena.fallback.is_none() {
+            arena.fallback = why;
+        }
+        Ok(arena)
     }
 
     /// [`Arena::new`] on the pages `backing` names. For huge pages the
@@ -153,6 +179,34 @@ impl Arena {
     /// padded; at most the last 2 MiB is partly unused).
     pub fn with_backing(classes: &[(usize, usize)], backing: Backing) -> io::Result<Arena> {
         let (out, bytes) = SlotClass::tile(classes)?;
+        if backing == Backing::ExplicitHuge {
+            let len = bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE;
+            // SAFETY: a fresh private mapping of reserved huge pages; no
+            // existing memory is affected. Without MAP_NORESERVE the pool
+            // must hold all of it now, or mmap fails (never a SIGBUS later).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_HUGETLB | libc::MAP_HUGE_2MB,
+                    -1,
+                    0,
+                )
+            };
+            if p != libc::MAP_FAILED {
+                let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+                return Ok(Arena { base, len, classes: out, backing, fallback: None });
+            }
+            let e = io::Error::last_os_error();
+            let mut arena = Arena::with_pages(classes, PageChoice::Auto)?;
+            let why = format!("the hugetlb pool cannot hold the arena's {} MiB ({e}; see vm.nr_hugepages)", len >> 20);
+            arena.fallback = Some(match arena.fallback.take() {
+                Some(more) => format!("{why}, and {more}"),
+                None => why,
+            });
+            return Ok(arena);
+        }
         let huge = backing == Backing::TransparentHuge;
         let (len, align) = if huge { (bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE, HUGE_PAGE) } else { (bytes.max(SLOT_ALIGN), SLOT_ALIGN) };
         let span = len + (align - SLOT_ALIGN);
@@ -184,15 +238,16 @@ impl Arena {
             }
         }
         let base = NonNull::new(aligned as *mut u8).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-        let mut backing = backing;
+        let (mut backing, mut fallback) = (backing, None);
         if huge {
             // SAFETY: base/len are the live mapping; MADV_HUGEPAGE only changes
             // which pages later faults take.
             if unsafe { libc::madvise(base.as_ptr().cast(), len, libc::MADV_HUGEPAGE) } != 0 {
-                backing = Backing::Small(format!("madvise(MADV_HUGEPAGE) failed: {}", io::Error::last_os_error()));
+                fallback = Some(format!("madvise(MADV_HUGEPAGE) failed: {}", io::Error::last_os_error()));
+                backing = Backing::Small;
             }
         }
-        Ok(Arena { base, len, classes: out, backing })
+        Ok(Arena { base, len, classes: out, backing, fallback })
     }
 
     /// The pages behind the arena.
@@ -200,8 +255,14 @@ impl Arena {
         &self.backing
     }
 
+    /// Why the arena has other pages than it was asked for (None: as asked).
+    pub fn fallback(&self) -> Option<&str> {
+        self.fallback.as_deref()
+    }
+
     /// Bytes of the arena the kernel holds in huge pages now
-    /// (`AnonHugePages` of its mapping in /proc/self/smaps); None if unreadable.
+    /// (`AnonHugePages` and `Private_Hugetlb` of its mapping in
+    /// /proc/self/smaps); None if unreadable.
     pub fn huge_bytes(&self) -> Option<u64> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base.as_ptr() as usize, self.base.as_ptr() as usize + self.len);
@@ -217,7 +278,7 @@ impl Arena {
                 }
             }
             if inside {
-                if let Some(kb) = line.strip_prefix("AnonHugePages:") {
+                if let Some(kb) = line.strip_prefix("AnonHugePages:").or_else(|| line.strip_prefix("Private_Hugetlb:")) {
                     total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
                 }
             }
@@ -259,7 +320,8 @@ impl Arena {
 
     /// Gives the pages of slots `ids` (consecutive, of one class) back to
     /// the kernel: their memory is freed at once, and they read as zeros
-    /// until filled again. The mapping stays; a later fill faults pages in.
+    /// until filled again (on hugetlb pages, only the whole 2 MiB pages
+    /// inside the range). The mapping stays; a later fill faults pages in.
     ///
     /// # Safety
     /// No one may read or write these slots while this runs, nor rely on
@@ -271,8 +333,17 @@ impl Arena {
         }
         let c = &self.classes[self.class_of(ids.start)];
         assert!(ids.end <= c.first + c.count, "slots {ids:?} span more than one class");
-        let off = c.offset + (ids.start - c.first) * c.slot_bytes;
-        let len = ids.len() * c.slot_bytes;
+        let mut off = c.offset + (ids.start - c.first) * c.slot_bytes;
+        let mut len = ids.len() * c.slot_bytes;
+        if self.backing == Backing::ExplicitHuge {
+            // hugetlb pages are freed whole: only the 2 MiB pages inside
+            // the range go back (the bytes of the others stay as they are).
+            let (start, end) = (off.div_ceil(HUGE_PAGE) * HUGE_PAGE, (off + len) / HUGE_PAGE * HUGE_PAGE);
+            if end <= start {
+                return Ok(());
+            }
+            (off, len) = (start, end - start);
+        }
         // SAFETY: the range lies inside the live mapping (class layout);
         // MADV_DONTNEED on private anonymous memory frees the pages and
         // leaves the mapping valid (zero-filled on next touch); the caller

@@ -289,7 +289,7 @@ impl Pager {
     pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind, pages: PageChoice) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
-        let arena = Arena::with_backing(&classes, arena::backing_for(pages))
+        let arena = Arena::with_pages(&classes, pages)
             .map_err(|e| Error::invalid(format!("cannot map an expert arena of {} slots: {e}", slots.iter().sum::<usize>())))?;
         let n = arena.n_slots();
         let state = State {
@@ -345,6 +345,11 @@ impl Pager {
     /// The pages behind the arena.
     pub fn arena_backing(&self) -> &arena::Backing {
         self.shared.arena.backing()
+    }
+
+    /// Why the arena has other pages than it was asked for.
+    pub fn arena_fallback(&self) -> Option<&str> {
+        self.shared.arena.fallback()
     }
 
     /// Bytes of the arena in huge pages now (None if unreadable).

@@ -76,3 +76,45 @@ fn with_huge_pages_off_the_arena_falls_back_to_4k_pages_with_one_notice() {
     let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300);
     assert_eq!(answer, stdout(&o));
 }
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+
+/// Restores the hugetlb pool's size when dropped.
+struct HugetlbPool(String);
+
+impl Drop for HugetlbPool {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, &self.0);
+    }
+}
+
+#[test]
+fn explicit_hugetlb_pages_hold_the_arena_and_count_in_the_budget() {
+    let Ok(pool) = std::fs::read_to_string(NR_HUGEPAGES) else {
+        eprintln!("no hugetlb pool in this kernel");
+        return;
+    };
+    if std::fs::write(NR_HUGEPAGES, pool.trim()).is_err() {
+        eprintln!("{NR_HUGEPAGES} is not writable (not root): cannot reserve huge pages for this test");
+        return;
+    }
+    let _restore = HugetlbPool(pool.trim().to_string());
+    // The wide model's arena holds every expert: 260 MiB.
+    std::fs::write(NR_HUGEPAGES, "200").unwrap();
+    let (answer, err, s) = run_paged(&[("SDQ_HUGEPAGES", "hugetlb")], "hugetlb");
+    let stock = stdout(&run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300));
+    assert_eq!(answer, stock, "hugetlb pages changed the answer");
+    assert!(!err.contains("sdq: notice"), "{err}");
+    assert_eq!(s["arena_pages"], "2 MiB hugetlb pages", "{s}");
+    assert!(u(&s, "arena_huge_bytes") >= u(&s, "arena_slot_bytes"), "{s}");
+    // hugetlb pages are outside RssAnon; the budget's measure counts them.
+    assert!(u(&s, "peak_rss_anon_bytes") > u(&s, "arena_huge_bytes"), "{s}");
+
+    std::fs::write(NR_HUGEPAGES, "0").unwrap();
+    let (answer, err, s) = run_paged(&[("SDQ_HUGEPAGES", "hugetlb")], "hugetlb-empty");
+    assert_eq!(answer, stock);
+    let notices: Vec<&str> = err.lines().filter(|l| l.starts_with("sdq: notice")).collect();
+    assert_eq!(notices.len(), 1, "{err}");
+    assert!(notices[0].contains("the hugetlb pool cannot hold the arena's 260 MiB") && notices[0].contains("see vm.nr_hugepages"), "{err}");
+    assert_ne!(s["arena_pages"], "2 MiB hugetlb pages", "{s}");
+}
