@@ -352,6 +352,37 @@ impl Arena {
         if r != 0 {
             return Err(io::Error::last_os_error());
         }
+        if self.backing == Backing::TransparentHuge {
+            // khugepaged would otherwise fill the freed range back in when
+            // it collapses the huge pages around it (a 2 MiB range with a
+            // single page present qualifies by default).
+            self.advise(off, len, libc::MADV_NOHUGEPAGE)?;
+        }
+        Ok(())
+    }
+
+    /// Slots `ids` (consecutive, of one class), given back by `discard`,
+    /// are to be used again: on transparent huge pages they ask for huge
+    /// pages again. Their bytes are not touched.
+    pub fn restore(&self, ids: std::ops::Range<SlotId>) -> io::Result<()> {
+        if ids.is_empty() || self.backing != Backing::TransparentHuge {
+            return Ok(());
+        }
+        let c = &self.classes[self.class_of(ids.start)];
+        assert!(ids.end <= c.first + c.count, "slots {ids:?} span more than one class");
+        self.advise(c.offset + (ids.start - c.first) * c.slot_bytes, ids.len() * c.slot_bytes, libc::MADV_HUGEPAGE)
+    }
+
+    /// madvise(`advice`) on bytes off..off+len of the mapping; for advice
+    /// that changes which pages later faults take, never the contents.
+    fn advise(&self, off: usize, len: usize, advice: libc::c_int) -> io::Result<()> {
+        assert!(off + len <= self.len, "range outside the arena");
+        // SAFETY: the range lies inside the live mapping; the callers pass
+        // MADV_HUGEPAGE or MADV_NOHUGEPAGE, which leave every byte as it is.
+        let r = unsafe { libc::madvise(self.base.as_ptr().add(off).cast(), len, advice) };
+        if r != 0 {
+            return Err(io::Error::last_os_error());
+        }
         Ok(())
     }
 
@@ -477,6 +508,12 @@ mod tests {
             for id in 0..8 {
                 let want = if id == 2 { 0 } else { id as u8 + 1 };
                 assert!(a.slot(id).iter().all(|&b| b == want), "slot {id}");
+            }
+            a.restore(2..3).unwrap();
+            a.slot_mut(2).fill(42);
+            for id in 0..8 {
+                let want = if id == 2 { 42 } else { id as u8 + 1 };
+                assert!(a.slot(id).iter().all(|&b| b == want), "slot {id} after restore");
             }
         }
         if matches!(thp_mode().as_deref(), Some("always" | "madvise")) {

@@ -651,6 +651,11 @@ impl Pager {
                 st.slots[slot].retired = want < had;
                 sh.settle(&mut st, slot);
             }
+            if want > had {
+                if let Err(e) = sh.arena.restore(class.first + had..class.first + want) {
+                    log::warn!("slots {}..{} brought back on small pages: {e}", class.first + had, class.first + want);
+                }
+            }
         }
         let bytes = Self::bytes_in_use(&sh.arena, &st.in_use);
         drop(st);
