@@ -81,8 +81,8 @@ SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as 
                          idle (default) slot by slot on a background thread at idle priority
 SDQ_PRELOAD=0|1          read every expert in the background when the arena holds them all (default 1)
 SDQ_HUGEPAGES=auto|0|hugetlb  the arena on 2 MiB transparent huge pages where the system offers
-                         them (auto, the default), on 4 KiB pages only (0), or on reserved
-                         hugetlb pages (vm.nr_hugepages), falling back to auto
+                         them (auto), on 4 KiB pages (0, the default), or on reserved hugetlb
+                         pages (vm.nr_hugepages), falling back to auto
 ";
 
 fn policy_of(flag: &str, value: &str) -> Result<crate::pager::policy::PolicyKind> {

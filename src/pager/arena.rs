@@ -58,12 +58,17 @@ impl SlotClass {
 pub const HUGE_PAGE: usize = 2 << 20;
 
 /// Which pages the arena asks for (`SDQ_HUGEPAGES`).
+///
+/// 4 KiB pages stay the default for now: measured on the 35B-A3B geometry
+/// (docs/BENCHMARKS.md, issue 20), transparent huge pages decode 1.3× faster
+/// at 2 GiB and 1.1× at 4 GiB but prefill about 0.8× as fast from 4 GiB up,
+/// so the first token comes later.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PageChoice {
-    /// Transparent huge pages where the system offers them (`auto`, the default).
-    #[default]
+    /// Transparent huge pages where the system offers them (`auto`).
     Auto,
-    /// 4 KiB pages only (`0`).
+    /// 4 KiB pages only (`0`, the default).
+    #[default]
     Small,
     /// Explicit 2 MiB huge pages from the system's reserved pool
     /// (`hugetlb`; `vm.nr_hugepages`), falling back to `Auto` where the pool

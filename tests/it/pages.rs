@@ -26,8 +26,8 @@ fn run_paged(env: &[(&str, &str)], name: &str) -> (String, String, serde_json::V
 
 #[test]
 fn the_arena_takes_huge_pages_where_offered_and_answers_as_on_4k_pages() {
-    let (huge, err, s) = run_paged(&[], "auto");
-    let (small, _, s4) = run_paged(&[("SDQ_HUGEPAGES", "0")], "4k");
+    let (huge, err, s) = run_paged(&[("SDQ_HUGEPAGES", "auto")], "auto");
+    let (small, _, s4) = run_paged(&[], "4k"); // the default: 4 KiB pages
     let (stock, _) = {
         let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -68,7 +68,7 @@ fn with_huge_pages_off_the_arena_falls_back_to_4k_pages_with_one_notice() {
     }
     let _restore = ThpMode(mode);
     std::fs::write(THP, "never").unwrap();
-    let (answer, err, s) = run_paged(&[], "never");
+    let (answer, err, s) = run_paged(&[("SDQ_HUGEPAGES", "auto")], "never");
     let notices: Vec<&str> = err.lines().filter(|l| l.contains("4 KiB pages")).collect();
     assert_eq!(notices, ["sdq: notice: transparent huge pages are off on this system (never): the expert arena uses 4 KiB pages"], "{err}");
     assert_eq!(s["arena_pages"], "4 KiB pages", "{s}");
