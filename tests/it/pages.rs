@@ -47,12 +47,16 @@ fn the_arena_takes_huge_pages_where_offered_and_answers_as_on_4k_pages() {
     }
 }
 
-/// Restores the system's THP mode when dropped (even if the test fails).
-struct ThpMode(String);
+/// Writes `value` back to the kernel setting `path` when dropped (even if
+/// the test fails): the tests below change system-wide settings.
+struct Restore {
+    path: &'static str,
+    value: String,
+}
 
-impl Drop for ThpMode {
+impl Drop for Restore {
     fn drop(&mut self) {
-        let _ = std::fs::write(THP, &self.0);
+        let _ = std::fs::write(self.path, &self.value);
     }
 }
 
@@ -66,7 +70,7 @@ fn with_huge_pages_off_the_arena_falls_back_to_4k_pages_with_one_notice() {
         eprintln!("{THP} is not writable (not root): cannot switch huge pages off for this test");
         return;
     }
-    let _restore = ThpMode(mode);
+    let _restore = Restore { path: THP, value: mode };
     std::fs::write(THP, "never").unwrap();
     let (answer, err, s) = run_paged(&[("SDQ_HUGEPAGES", "auto")], "never");
     let notices: Vec<&str> = err.lines().filter(|l| l.contains("4 KiB pages")).collect();
@@ -79,15 +83,6 @@ fn with_huge_pages_off_the_arena_falls_back_to_4k_pages_with_one_notice() {
 
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
 
-/// Restores the hugetlb pool's size when dropped.
-struct HugetlbPool(String);
-
-impl Drop for HugetlbPool {
-    fn drop(&mut self) {
-        let _ = std::fs::write(NR_HUGEPAGES, &self.0);
-    }
-}
-
 #[test]
 fn explicit_hugetlb_pages_hold_the_arena_and_count_in_the_budget() {
     let Ok(pool) = std::fs::read_to_string(NR_HUGEPAGES) else {
@@ -98,7 +93,7 @@ fn explicit_hugetlb_pages_hold_the_arena_and_count_in_the_budget() {
         eprintln!("{NR_HUGEPAGES} is not writable (not root): cannot reserve huge pages for this test");
         return;
     }
-    let _restore = HugetlbPool(pool.trim().to_string());
+    let _restore = Restore { path: NR_HUGEPAGES, value: pool.trim().to_string() };
     // The wide model's arena holds every expert: 260 MiB.
     std::fs::write(NR_HUGEPAGES, "200").unwrap();
     let (answer, err, s) = run_paged(&[("SDQ_HUGEPAGES", "hugetlb")], "hugetlb");
