@@ -396,16 +396,19 @@ pub fn render(r: &Value) -> String {
 }
 
 /// A projector file's memory once a tool loads it (see [`projector_memory`]).
-struct Projector {
-    path: PathBuf,
-    kind: String,
-    weights: u64,
-    compute: u64,
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Projector {
+    pub path: PathBuf,
+    /// `clip.projector_type`, e.g. `minicpmv4_6`.
+    pub kind: String,
+    pub weights: u64,
+    pub compute: u64,
 }
 
 /// Reads `path` as a projector: its weights from the file, its compute
-/// buffers from mtmd (sized for its largest input, nothing loaded).
-fn projector_memory(path: &Path) -> Result<Projector> {
+/// buffers from mtmd (sized for its largest input, no tensor data read).
+/// `sdq inspect --mmproj` and a tool's run (before the arena) count the same.
+pub fn projector_memory(path: &Path) -> Result<Projector> {
     let g = Gguf::open(path)?;
     let kind = g.get("clip.projector_type").and_then(|v| v.as_str().map(str::to_string));
     let Some(kind) = kind.or_else(|| g.get("clip.vision.projector_type").and_then(|v| v.as_str().map(str::to_string))) else {

@@ -30,6 +30,8 @@ pub struct ArenaPlan {
     pub slots: Vec<(usize, usize)>,
     pub top_k: usize,
     pub load_seconds: f64,
+    /// The tool's projector (`--mmproj`), counted before the arena.
+    pub projector: Option<crate::inspect::Projector>,
 }
 
 #[derive(Default)]
@@ -77,15 +79,6 @@ pub struct Runtime {
     warm_listed: AtomicU64,
     /// The arena's size under memory pressure (from the pager's creation).
     watch: Mutex<Option<crate::pressure::Watch>>,
-    /// The projector's weights and compute buffers counted when the arena was sized.
-    projector: Mutex<Option<ProjectorMemory>>,
-}
-
-/// What the tool's projector (`--mmproj`) takes once loaded.
-#[derive(Clone, Copy, Debug)]
-struct ProjectorMemory {
-    weights: u64,
-    compute: u64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -116,7 +109,6 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         hotset,
         warm_listed: AtomicU64::new(0),
         watch: Mutex::new(None),
-        projector: Mutex::new(None),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -323,7 +315,7 @@ impl Runtime {
         layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
         let projector = self.projector_memory();
-        let projector_bytes = projector.map_or(0, |p| p.weights + p.compute);
+        let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
         let held = budget::Held { anon: rss + projector_bytes, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
@@ -353,6 +345,7 @@ impl Runtime {
             slots: slots.clone(),
             top_k,
             load_seconds: self.started.elapsed().as_secs_f64(),
+            projector,
         };
         log::info!(
             "arena {} for {} of routed experts: {}",
@@ -388,28 +381,22 @@ impl Runtime {
     }
 
     /// The memory of the projector the tool loads (`--mmproj`): its weights
-    /// and the compute buffers mtmd reserves for its largest input (mtmd's
-    /// own figure, from the file's metadata, nothing loaded). All of it is
-    /// counted: every tool loads the text model, and so sizes the arena,
-    /// before it loads the projector. None without a projector; a projector
-    /// mtmd cannot read is left to the tool, which reports it.
-    fn projector_memory(&self) -> Option<ProjectorMemory> {
+    /// and the compute buffers mtmd reserves for its largest input. All of
+    /// it is counted: every tool loads the text model, and so sizes the
+    /// arena, before it loads the projector. None without a projector; a
+    /// projector mtmd cannot read is left to the tool, which reports it.
+    fn projector_memory(&self) -> Option<crate::inspect::Projector> {
         let path = self.options.mmproj.as_ref()?;
-        let weights: u64 = match crate::gguf::Gguf::open(path) {
-            Ok(g) => g.tensors().iter().map(|t| t.size).sum(),
+        match crate::inspect::projector_memory(path) {
+            Ok(p) => {
+                log::info!("projector {}: {} of weights and {} of compute buffers counted before the arena", path.display(), human(p.weights), human(p.compute));
+                Some(p)
+            }
             Err(e) => {
                 log::warn!("{e}: the projector's memory is left to the reserve");
-                return None;
+                None
             }
-        };
-        let Some(total) = crate::hooks::projector_memory(path) else {
-            log::warn!("{}: mtmd could not size this projector; its memory is left to the reserve", path.display());
-            return None;
-        };
-        let p = ProjectorMemory { weights, compute: total.saturating_sub(weights) };
-        log::info!("projector {}: {} of weights and {} of compute buffers counted before the arena", path.display(), human(p.weights), human(p.compute));
-        *self.projector.lock().unwrap() = Some(p);
-        Some(p)
+        }
     }
 
     /// True if the routing is being recorded.
@@ -596,9 +583,8 @@ impl Runtime {
             o.insert("minor_faults".into(), json!(minor));
             o.insert("major_faults".into(), json!(major));
             o.insert("load_seconds".into(), json!(plan.load_seconds));
-            let projector = *self.projector.lock().unwrap();
-            o.insert("projector_weights_bytes".into(), json!(projector.map_or(0, |p| p.weights)));
-            o.insert("projector_compute_bytes".into(), json!(projector.map_or(0, |p| p.compute)));
+            o.insert("projector_weights_bytes".into(), json!(plan.projector.as_ref().map_or(0, |p| p.weights)));
+            o.insert("projector_compute_bytes".into(), json!(plan.projector.as_ref().map_or(0, |p| p.compute)));
             o.insert("top_k".into(), json!(plan.top_k));
             // Paged tensors by the layout their experts take in the arena
             // (stock's: "plain", or a repacked layout such as "q4_K_8x8_q8_K").
