@@ -141,6 +141,11 @@ pub fn backing_for(choice: PageChoice) -> (Backing, Option<String>) {
     }
 }
 
+/// Bytes a huge-page mapping of `bytes` of slots spans: whole 2 MiB pages.
+fn huge_len(bytes: usize) -> usize {
+    bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE
+}
+
 /// The mapping. Invariants: `base..base+len` is a live private anonymous
 /// mapping owned by this value; classes tile it without overlap from `base`.
 pub struct Arena {
@@ -170,6 +175,20 @@ impl Arena {
     /// gives instead (see [`Arena::fallback`]).
     pub fn with_pages(classes: &[(usize, usize)], choice: PageChoice) -> io::Result<Arena> {
         let (backing, why) = backing_for(choice);
+        if backing == Backing::ExplicitHuge {
+            return match Arena::with_backing(classes, Backing::ExplicitHuge) {
+                Ok(arena) => Ok(arena),
+                Err(e) => {
+                    let mut arena = Arena::with_pages(classes, PageChoice::Auto)?;
+                    let why = format!("the hugetlb pool cannot hold the arena's {} MiB ({e}; see vm.nr_hugepages)", huge_len(SlotClass::tile(classes)?.1) >> 20);
+                    arena.fallback = Some(match arena.fallback.take() {
+                        Some(more) => format!("{why}, and {more}"),
+                        None => why,
+                    });
+                    Ok(arena)
+                }
+            };
+        }
         let mut arena = Arena::with_backing(classes, backing)?;
         if arena.fallback.is_none() {
             arena.fallback = why;
@@ -177,15 +196,16 @@ impl Arena {
         Ok(arena)
     }
 
-    /// [`Arena::new`] on the pages `backing` names. For huge pages the
-    /// mapping starts on a 2 MiB boundary and its length is rounded up to
-    /// one, so every 2 MiB of it can be a huge page: the classes tile it
-    /// end to end, and a slot may straddle two huge pages (nothing is
-    /// padded; at most the last 2 MiB is partly unused).
+    /// [`Arena::new`] on the pages `backing` names, or an error where the
+    /// hugetlb pool cannot hold it. For huge pages the mapping starts on a
+    /// 2 MiB boundary and its length is rounded up to one, so every 2 MiB of
+    /// it can be a huge page: the classes tile it end to end, and a slot may
+    /// straddle two huge pages (nothing is padded; at most the last 2 MiB is
+    /// partly unused).
     pub fn with_backing(classes: &[(usize, usize)], backing: Backing) -> io::Result<Arena> {
         let (out, bytes) = SlotClass::tile(classes)?;
         if backing == Backing::ExplicitHuge {
-            let len = bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE;
+            let len = huge_len(bytes);
             // SAFETY: a fresh private mapping of reserved huge pages; no
             // existing memory is affected. Without MAP_NORESERVE the pool
             // must hold all of it now, or mmap fails (never a SIGBUS later).
@@ -199,21 +219,14 @@ impl Arena {
                     0,
                 )
             };
-            if p != libc::MAP_FAILED {
-                let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-                return Ok(Arena { base, len, classes: out, backing, fallback: None });
+            if p == libc::MAP_FAILED {
+                return Err(io::Error::last_os_error());
             }
-            let e = io::Error::last_os_error();
-            let mut arena = Arena::with_pages(classes, PageChoice::Auto)?;
-            let why = format!("the hugetlb pool cannot hold the arena's {} MiB ({e}; see vm.nr_hugepages)", len >> 20);
-            arena.fallback = Some(match arena.fallback.take() {
-                Some(more) => format!("{why}, and {more}"),
-                None => why,
-            });
-            return Ok(arena);
+            let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
+            return Ok(Arena { base, len, classes: out, backing, fallback: None });
         }
         let huge = backing == Backing::TransparentHuge;
-        let (len, align) = if huge { (bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE, HUGE_PAGE) } else { (bytes.max(SLOT_ALIGN), SLOT_ALIGN) };
+        let (len, align) = if huge { (huge_len(bytes), HUGE_PAGE) } else { (bytes.max(SLOT_ALIGN), SLOT_ALIGN) };
         let span = len + (align - SLOT_ALIGN);
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
@@ -336,10 +349,7 @@ impl Arena {
         if ids.is_empty() {
             return Ok(());
         }
-        let c = &self.classes[self.class_of(ids.start)];
-        assert!(ids.end <= c.first + c.count, "slots {ids:?} span more than one class");
-        let mut off = c.offset + (ids.start - c.first) * c.slot_bytes;
-        let mut len = ids.len() * c.slot_bytes;
+        let (mut off, mut len) = self.run_span(&ids);
         if self.backing == Backing::ExplicitHuge {
             // hugetlb pages are freed whole: only the 2 MiB pages inside
             // the range go back (the bytes of the others stay as they are).
@@ -373,9 +383,15 @@ impl Arena {
         if ids.is_empty() || self.backing != Backing::TransparentHuge {
             return Ok(());
         }
+        let (off, len) = self.run_span(&ids);
+        self.advise(off, len, libc::MADV_HUGEPAGE)
+    }
+
+    /// The bytes (offset, length) of slots `ids`, consecutive and of one class.
+    fn run_span(&self, ids: &std::ops::Range<SlotId>) -> (usize, usize) {
         let c = &self.classes[self.class_of(ids.start)];
         assert!(ids.end <= c.first + c.count, "slots {ids:?} span more than one class");
-        self.advise(c.offset + (ids.start - c.first) * c.slot_bytes, ids.len() * c.slot_bytes, libc::MADV_HUGEPAGE)
+        (c.offset + (ids.start - c.first) * c.slot_bytes, ids.len() * c.slot_bytes)
     }
 
     /// madvise(`advice`) on bytes off..off+len of the mapping; for advice
