@@ -1,6 +1,9 @@
 """What the benchmark scripts share."""
+import socket
 import subprocess
 import sys
+import time
+import urllib.request
 
 
 def drop_page_cache(tool, consequence, fatal=False):
@@ -20,3 +23,22 @@ def drop_page_cache(tool, consequence, fatal=False):
             sys.exit(msg)
         print(msg, file=sys.stderr)
         return False
+
+
+def free_port():
+    """A port free on 127.0.0.1 now, for a server a benchmark starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url, proc, timeout):
+    """Waits until the llama-server at `url` answers /health with 200, the
+    process `proc` exits, or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if urllib.request.urlopen(url + "/health", timeout=2).status == 200:
+                return
+        except OSError:
+            time.sleep(0.2)
