@@ -32,7 +32,7 @@ pub struct Options {
     pub prefetch: Option<bool>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
     pub direct_io: Option<bool>,
-    /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1 or idle).
+    /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1, idle or ahead).
     pub populate: Option<crate::pager::Populate>,
     /// Which pages the arena asks for (`SDQ_HUGEPAGES`: auto, 0 or hugetlb).
     pub pages: Option<crate::pager::PageChoice>,
@@ -77,11 +77,13 @@ SDQ_READ_RETRIES=N       more tries for an expert read that failed with EIO, EAG
                          the first, doubling each time (default 100: 0.7 s for all three)
 SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default 1)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
-SDQ_POPULATE=0|1|idle    fault the arena in: 1 all before the first token, 0 as slots fill,
-                         idle (default) slot by slot on a background thread at idle priority
+SDQ_POPULATE=0|1|idle|ahead  fault the arena in: 1 all before the first token, 0 as slots
+                         fill, idle slot by slot on a background thread at idle priority,
+                         ahead (default) the same but no more than 256 MiB per slot class
+                         beyond the slots filled so far
 SDQ_PRELOAD=0|1          read every expert in the background when the arena holds them all (default 1)
 SDQ_HUGEPAGES=auto|0|hugetlb  the arena on 2 MiB transparent huge pages where the system offers
-                         them (auto), on 4 KiB pages (0, the default), or on reserved hugetlb
+                         them (auto, the default), on 4 KiB pages (0), or on reserved hugetlb
                          pages (vm.nr_hugepages), falling back to auto
 ";
 
@@ -161,7 +163,7 @@ impl Options {
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => Some(crate::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1 or idle")))?),
+            Some(v) => Some(crate::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1, idle or ahead")))?),
         };
         o.preload = switch(&env, "SDQ_PRELOAD")?;
         o.pages = match env("SDQ_HUGEPAGES").filter(|v| !v.is_empty()) {

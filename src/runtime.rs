@@ -579,6 +579,9 @@ impl Runtime {
             // of it the kernel holds in huge pages now.
             o.insert("arena_pages".into(), json!(pager.arena_backing().name()));
             o.insert("arena_huge_bytes".into(), json!(pager.arena_huge_bytes()));
+            o.insert("arena_resident_bytes".into(), json!(pager.arena_resident_bytes()));
+            o.insert("arena_filled_bytes".into(), json!(pager.arena_filled_bytes()));
+            o.insert("arena_populate".into(), json!(self.options.populate.unwrap_or_default().name()));
             let (minor, major) = budget::page_faults();
             o.insert("minor_faults".into(), json!(minor));
             o.insert("major_faults".into(), json!(major));

@@ -113,6 +113,11 @@ struct State {
     /// Slots of each class in use: the first `in_use[c]` of class c; the
     /// rest are retired (memory given back under pressure).
     in_use: Vec<usize>,
+    /// The fill frontier of each class: slots `first..first + filled[c]`
+    /// have held an expert (free slots are taken lowest first, so the arena
+    /// fills from the bottom of each class up). `Populate::Ahead` faults in
+    /// a window beyond it.
+    filled: Vec<usize>,
 }
 
 impl State {
@@ -159,11 +164,17 @@ pub enum Populate {
     /// On first use, inside the read (`0`).
     Off,
     /// By a background thread at idle priority, slot by slot in the order
-    /// free slots are filled, on cores compute leaves idle (`idle`, the default).
-    #[default]
+    /// free slots are filled, on cores compute leaves idle (`idle`).
     Idle,
     /// All of it before the first token (`1`).
     Now,
+    /// By a background thread at idle priority, no further than a window
+    /// ahead of the slots filled so far (`ahead`): a fresh slot is faulted
+    /// in before its first read, and memory the run never fills is not
+    /// (the default: populating all of an 8 GiB budget's arena competed
+    /// with the prefill for the cores and made the first token later).
+    #[default]
+    Ahead,
 }
 
 impl Populate {
@@ -172,6 +183,7 @@ impl Populate {
             "0" | "off" | "false" => Some(Populate::Off),
             "1" | "on" | "true" | "now" => Some(Populate::Now),
             "idle" => Some(Populate::Idle),
+            "ahead" => Some(Populate::Ahead),
             _ => None,
         }
     }
@@ -181,9 +193,15 @@ impl Populate {
             Populate::Off => "0",
             Populate::Now => "1",
             Populate::Idle => "idle",
+            Populate::Ahead => "ahead",
         }
     }
 }
+
+/// How far `Populate::Ahead` faults in beyond each class's filled slots.
+/// Decode fills about 40-60 MiB a token on the 35B-A3B, so this is several
+/// tokens' fills; a prefill fills faster than any populater keeps up with.
+pub const POPULATE_AHEAD_BYTES: usize = 256 << 20;
 
 /// Readers in the pool when `SDQ_READERS` does not say.
 pub const DEFAULT_READERS: usize = 8;
@@ -306,6 +324,7 @@ impl Pager {
             batch_totals: (0, 0, 0),
             warm_read: 0,
             in_use: slots.to_vec(),
+            filled: vec![0; slots.len()],
         };
         let shared = Arc::new(Shared {
             layout,
@@ -330,11 +349,15 @@ impl Pager {
         match populate {
             Populate::Off => {}
             Populate::Now => shared.populate(),
-            Populate::Idle => {
+            Populate::Idle | Populate::Ahead => {
                 let s = Arc::clone(&shared);
+                let window = match populate {
+                    Populate::Ahead => Some(POPULATE_AHEAD_BYTES),
+                    _ => None,
+                };
                 let t = std::thread::Builder::new()
                     .name("sdq-populate".into())
-                    .spawn(move || s.populate_idle())
+                    .spawn(move || s.populate_idle(window))
                     .map_err(|e| Error::invalid(format!("cannot start the populate thread: {e}")))?;
                 readers.push(t);
             }
@@ -355,6 +378,18 @@ impl Pager {
     /// Bytes of the arena in huge pages now (None if unreadable).
     pub fn arena_huge_bytes(&self) -> Option<u64> {
         self.shared.arena.huge_bytes()
+    }
+
+    /// Bytes of the arena backed by memory now (None if unreadable).
+    pub fn arena_resident_bytes(&self) -> Option<u64> {
+        self.shared.arena.resident_bytes()
+    }
+
+    /// Bytes of the slots that have held an expert so far: each class's
+    /// slots up to its fill frontier.
+    pub fn arena_filled_bytes(&self) -> u64 {
+        let st = self.shared.lock();
+        self.shared.arena.classes().iter().zip(&st.filled).map(|(c, &n)| (n * c.slot_bytes) as u64).sum()
     }
 
     pub fn layout(&self) -> &Layout {
@@ -708,6 +743,8 @@ impl Drop for Pager {
     fn drop(&mut self) {
         self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
         self.shared.queued.notify_all();
+        // The populater may be waiting for the arena to fill.
+        self.shared.changed.notify_all();
         for r in self.readers.drain(..) {
             let _ = r.join();
         }
@@ -736,6 +773,11 @@ impl Shared {
             }
         }
         debug_assert!(!st.slots[slot].retired, "slot {slot} is retired");
+        let class = self.arena.class_of(slot);
+        let reached = slot - self.arena.classes()[class].first + 1;
+        if reached > st.filled[class] {
+            st.filled[class] = reached;
+        }
         st.slots[slot] = Slot {
             pins: 1,
             ready: false,
@@ -786,22 +828,40 @@ impl Shared {
 
     /// The idle-priority populater: faults slots in, in the order free slots
     /// are taken (lowest first in each class, classes in turn), until the
-    /// arena is done or the pager is dropped. Every page is faulted once
-    /// either way; this moves the faults off the miss path onto cores that
-    /// compute leaves idle (waiting for reads, or between tokens).
-    fn populate_idle(&self) {
+    /// arena is done or the pager is dropped. This moves the faults off the
+    /// miss path onto cores that compute leaves idle (waiting for reads, or
+    /// between tokens). With a `window` (bytes per class), it stays no
+    /// further than that ahead of each class's fill frontier, waiting for
+    /// the arena to fill: the pages a run never fills are never faulted in,
+    /// and faulting them does not compete with the prefill.
+    fn populate_idle(&self, window: Option<usize>) {
         if !arena::idle_priority() {
             log::debug!("populate thread: SCHED_IDLE refused; populating at normal priority");
         }
         let started = Instant::now();
         let classes = self.arena.classes();
-        let most = classes.iter().map(|c| c.count).max().unwrap_or(0);
-        for i in 0..most {
-            for c in classes.iter().filter(|c| i < c.count) {
-                if self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed {
-                    return;
+        let ahead: Vec<usize> = classes.iter().map(|c| window.map_or(c.count, |w| (w / c.slot_bytes).max(1))).collect();
+        let mut done = vec![0usize; classes.len()];
+        loop {
+            if self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed {
+                return;
+            }
+            // One slot of each class whose frontier is within reach, in turn.
+            let targets: Vec<usize> = {
+                let st = self.lock();
+                classes.iter().enumerate().map(|(c, class)| (st.filled[c] + ahead[c]).min(class.count)).collect()
+            };
+            if done.iter().zip(classes).all(|(&d, c)| d >= c.count) {
+                break;
+            }
+            let mut progressed = false;
+            for (c, class) in classes.iter().enumerate() {
+                if done[c] >= targets[c] {
+                    continue;
                 }
-                let slot = c.first + i;
+                let slot = class.first + done[c];
+                done[c] += 1;
+                progressed = true;
                 if self.lock().slots[slot].retired {
                     continue;
                 }
@@ -814,6 +874,14 @@ impl Shared {
                 let mut st = self.lock();
                 if st.slots[slot].retired {
                     self.settle(&mut st, slot);
+                }
+            }
+            if !progressed {
+                // Caught up with the frontier: wait for the arena to fill.
+                let st = self.lock();
+                let behind = |st: &State| classes.iter().enumerate().any(|(c, class)| done[c] < (st.filled[c] + ahead[c]).min(class.count));
+                if !behind(&st) {
+                    let _ = self.changed.wait_timeout(st, std::time::Duration::from_millis(100));
                 }
             }
         }

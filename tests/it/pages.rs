@@ -26,8 +26,8 @@ fn run_paged(env: &[(&str, &str)], name: &str) -> (String, String, serde_json::V
 
 #[test]
 fn the_arena_takes_huge_pages_where_offered_and_answers_as_on_4k_pages() {
-    let (huge, err, s) = run_paged(&[("SDQ_HUGEPAGES", "auto")], "auto");
-    let (small, _, s4) = run_paged(&[], "4k"); // the default: 4 KiB pages
+    let (huge, err, s) = run_paged(&[], "auto"); // the default: huge pages where offered
+    let (small, _, s4) = run_paged(&[("SDQ_HUGEPAGES", "0")], "4k");
     let (stock, _) = {
         let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "The river by the lamp", 16)), 300);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -112,4 +112,42 @@ fn explicit_hugetlb_pages_hold_the_arena_and_count_in_the_budget() {
     assert_eq!(notices.len(), 1, "{err}");
     assert!(notices[0].contains("the hugetlb pool cannot hold the arena's 260 MiB") && notices[0].contains("see vm.nr_hugepages"), "{err}");
     assert_ne!(s["arena_pages"], "2 MiB hugetlb pages", "{s}");
+}
+
+/// `SDQ_POPULATE=ahead` faults the arena in no further than its window
+/// beyond the slots the run has filled: memory a run never fills is never
+/// touched, and the answer is stock's.
+#[test]
+fn populating_ahead_stays_within_its_window_of_the_filled_slots() {
+    // One slot class (every expert q8_0), 835 MiB of experts: an arena that
+    // holds them all, of which a short run fills a few hundred MiB at most.
+    let model = TempModel::generate("ahead.gguf", &["--preset", "tiny", "--layers", "4", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--expert-type", "q8_0", "--seed", "5"]);
+    let run_with = |populate: &str| {
+        let stats = scratch().join(format!("pages-populate-{populate}.json"));
+        let o = run(
+            Command::new(bin("llama-completion"))
+                .args(completion_args(&model, "The river by the lamp", 4))
+                .args(["--ram-budget", "2G", "--sdq-stats", stats.to_str().unwrap()])
+                // Preload would fill the whole arena (it holds every expert).
+                .env("SDQ_PRELOAD", "0")
+                .env("SDQ_POPULATE", populate),
+            300,
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        (stdout(&o), s)
+    };
+    let (ahead, s) = run_with("ahead");
+    let (now, s1) = run_with("1");
+    let stock = stdout(&run(Command::new(bin("llama-completion")).args(completion_args(&model, "The river by the lamp", 4)), 300));
+    assert_eq!(ahead, stock, "populating ahead changed the answer");
+    assert_eq!(now, stock);
+    assert_eq!(s["arena_populate"], "ahead", "{s}");
+    assert_eq!(s["slot_classes"].as_array().map(Vec::len), Some(1), "{s}");
+    let (arena, filled, resident) = (u(&s, "arena_slot_bytes"), u(&s, "arena_filled_bytes"), u(&s, "arena_resident_bytes"));
+    assert!(filled > 0 && filled + (256 << 20) < arena, "the run should leave more than the window unfilled: {s}");
+    // The window, and a huge page's rounding where the slot ends.
+    assert!(resident <= filled + (256 << 20) + (2 << 20), "populated {resident} B with {filled} B filled: {s}");
+    // Populating it all (`1`) does fault in the whole arena.
+    assert!(u(&s1, "arena_resident_bytes") >= u(&s1, "arena_slot_bytes"), "{s1}");
 }
