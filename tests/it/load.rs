@@ -109,7 +109,10 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
         .collect();
     let varied = (0..first.len()).filter(|&i| stock.iter().any(|r| r[i] != stock[0][i])).count();
     eprintln!("stock's answer varied with batching for {varied} of {} prompts", first.len());
-    assert!(varied * 8 < first.len(), "stock too unstable to compare against: {varied} prompts varied");
+    // Measured: 3 or 4 of the 64 usually, 8 in one clean-clone CI run of
+    // 2026-12-01. Past a quarter, "any of stock's answers" would accept too
+    // much for the comparison below to mean anything.
+    assert!(varied * 4 < first.len(), "stock too unstable to compare against: {varied} prompts varied");
     let stats = scratch().join("stats-server-soak.json");
     // Halfway through the soak the disk fails for a while: every read fails
     // while this file exists.
