@@ -841,6 +841,8 @@ impl Shared {
         let started = Instant::now();
         let classes = self.arena.classes();
         let ahead: Vec<usize> = classes.iter().map(|c| window.map_or(c.count, |w| (w / c.slot_bytes).max(1))).collect();
+        // How far class c may be faulted in now.
+        let target = |st: &State, c: usize| (st.filled[c] + ahead[c]).min(classes[c].count);
         let mut done = vec![0usize; classes.len()];
         loop {
             if self.queue.lock().unwrap_or_else(|p| p.into_inner()).closed {
@@ -849,7 +851,7 @@ impl Shared {
             // One slot of each class whose frontier is within reach, in turn.
             let targets: Vec<usize> = {
                 let st = self.lock();
-                classes.iter().enumerate().map(|(c, class)| (st.filled[c] + ahead[c]).min(class.count)).collect()
+                (0..classes.len()).map(|c| target(&st, c)).collect()
             };
             if done.iter().zip(classes).all(|(&d, c)| d >= c.count) {
                 break;
@@ -879,8 +881,7 @@ impl Shared {
             if !progressed {
                 // Caught up with the frontier: wait for the arena to fill.
                 let st = self.lock();
-                let behind = |st: &State| classes.iter().enumerate().any(|(c, class)| done[c] < (st.filled[c] + ahead[c]).min(class.count));
-                if !behind(&st) {
+                if (0..classes.len()).all(|c| done[c] >= target(&st, c)) {
                     let _ = self.changed.wait_timeout(st, std::time::Duration::from_millis(100));
                 }
             }

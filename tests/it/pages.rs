@@ -145,9 +145,10 @@ fn populating_ahead_stays_within_its_window_of_the_filled_slots() {
     assert_eq!(s["arena_populate"], "ahead", "{s}");
     assert_eq!(s["slot_classes"].as_array().map(Vec::len), Some(1), "{s}");
     let (arena, filled, resident) = (u(&s, "arena_slot_bytes"), u(&s, "arena_filled_bytes"), u(&s, "arena_resident_bytes"));
-    assert!(filled > 0 && filled + (256 << 20) < arena, "the run should leave more than the window unfilled: {s}");
+    let window = sdq::pager::POPULATE_AHEAD_BYTES as u64;
+    assert!(filled > 0 && filled + window < arena, "the run should leave more than the window unfilled: {s}");
     // The window, and a huge page's rounding where the slot ends.
-    assert!(resident <= filled + (256 << 20) + (2 << 20), "populated {resident} B with {filled} B filled: {s}");
+    assert!(resident <= filled + window + (2 << 20), "populated {resident} B with {filled} B filled: {s}");
     // Populating it all (`1`) does fault in the whole arena.
     assert!(u(&s1, "arena_resident_bytes") >= u(&s1, "arena_slot_bytes"), "{s1}");
 }
