@@ -64,8 +64,9 @@ pub const HELP: &str = "\
 --sdq-reserve SIZE       memory kept out of the arena for compute buffers and growth
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
---sdq-policy NAME        which arena slot to evict: freq (use counts with aging, the default)
-                         or lru (env: SDQ_POLICY)
+--sdq-policy NAME        which arena slot to evict: freq-auto (the default: use counts with
+                         aging, each layer within its share of the arena or not, whichever
+                         has been hitting more), freq-shares, freq or lru (env: SDQ_POLICY)
 --sdq-trace FILE         record the routing as CSV, one row per selected expert, for
                          `sdq replay` (env: SDQ_TRACE_FILE)
 --sdq-hotset FILE        warm start: read the experts FILE lists (and the policy's counts)

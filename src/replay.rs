@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 use crate::pager::arena::SlotClass;
 use crate::pager::layout::Layout;
 use crate::pager::arena::SlotId;
-use crate::pager::policy::{Policy, PolicyKind};
+use crate::pager::policy::{Plan, Policy, PolicyKind};
 use crate::pager::residency::Residency;
 use crate::pager::ExpertKey;
 use crate::trace::{Phase, Trace};
@@ -84,8 +84,7 @@ pub fn plan(trace: &Trace, layout: &Layout, arena_bytes: u64) -> Result<Vec<Slot
 /// The trace replayed through `policy` over `classes`, counting the
 /// batches from step `judged_from` on (0: all).
 pub fn replay(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: PolicyKind, judged_from: u64) -> Tally {
-    let n_slots: usize = classes.iter().map(|c| c.count).sum();
-    replay_with(trace, layout, classes, policy.build(n_slots), judged_from)
+    replay_with(trace, layout, classes, policy.build(&Plan::new(layout, classes)), judged_from)
 }
 
 fn replay_with(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Box<dyn Policy>, judged_from: u64) -> Tally {
@@ -100,7 +99,7 @@ fn replay_with(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Bo
             tally.count(b.phase, adm.hits.len(), adm.fills.len() + adm.deferred.len(), ll.expert_bytes as u64);
         }
         for &e in &adm.deferred {
-            let slot = res.victim(class.clone(), &|_| true).expect("a class has slots");
+            let slot = res.victim(b.layer, class.clone(), &|_| true).expect("a class has slots");
             res.fill(slot, (b.layer, e));
             res.used(slot);
         }
@@ -140,7 +139,7 @@ impl Policy for KnownFrequency {
         self.slots[slot] = None;
     }
 
-    fn victim(&self, slots: std::ops::Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    fn victim(&self, _layer: u32, slots: std::ops::Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         slots
             .filter(|&s| evictable(s))
             .min_by_key(|&s| self.slots[s].map_or((0, 0, 0), |(key, t)| (1, self.counts.get(&key).copied().unwrap_or(0), t)))
@@ -455,6 +454,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn freq_auto_follows_the_better_way_of_sharing() {
+        // On these traces neither way wins everywhere (shares lead on most,
+        // freq over the whole class on some): auto, which learns which as it
+        // goes, must come within 3 % of the better, and may fall below the
+        // worse by no more than a switch costs (1 %).
+        let (mut shares_ahead, mut freq_ahead) = (0, 0);
+        for seed in 0..12 {
+            let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 200);
+            let min = layout_of(&t).min_arena_bytes(t.top_k);
+            for cycles in [1.0, 1.5, 2.0, 4.0] {
+                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let o = run(&t, arena, &[PolicyKind::FreqAuto, PolicyKind::FreqShares, PolicyKind::Freq]).unwrap();
+                let [auto, shares, freq] = [0, 1, 2].map(|i| o.policies[i].1.hits);
+                shares_ahead += (shares > freq) as u32;
+                freq_ahead += (freq > shares) as u32;
+                let (better, worse) = (shares.max(freq), shares.min(freq));
+                assert!(auto * 100 >= better * 97 && auto * 100 >= worse * 99, "seed {seed}, {cycles} cycles: auto {auto}, shares {shares}, freq {freq}");
+            }
+        }
+        assert!(shares_ahead > 0 && freq_ahead > 0, "shares ahead {shares_ahead} times, freq {freq_ahead}: the test tells nothing");
     }
 
     #[test]

@@ -312,7 +312,7 @@ impl Pager {
         let n = arena.n_slots();
         let state = State {
             slots: vec![Slot::default(); n],
-            res: Residency::new(n, policy.build(n)),
+            res: Residency::new(n, policy.build(&policy::Plan::new(&layout, arena.classes()))),
             counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
             bytes_read: 0,
             device_bytes: 0,
@@ -487,7 +487,7 @@ impl Pager {
             }
             let victim = {
                 let (slots, res) = (&st.slots, &st.res);
-                res.victim(class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some((l, _)) if l == current || l == layer))
+                res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some((l, _)) if l == current || l == layer))
             };
             let Some(slot) = victim else { break };
             let evicted = st.res.fill(slot, (layer, e));
@@ -637,7 +637,7 @@ impl Pager {
             // A slot a batch is still waiting to use goes last: evicting it
             // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
-            let victim = st.res.victim(class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.res.victim(class.clone(), &|s| slots[s].pins == 0));
+            let victim = st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
             match victim {
                 Some(victim) => {
                     if count == Count::Later {

@@ -23,8 +23,10 @@ pub trait Policy: Send {
     fn used(&mut self, slot: SlotId, key: ExpertKey);
     /// `slot` holds nothing worth keeping (a failed read).
     fn forget(&mut self, slot: SlotId);
-    /// The slot in `slots` to evict among those for which `evictable` holds.
-    fn victim(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId>;
+    /// The slot in `slots` to give an expert of `layer` (a miss or a
+    /// prefetch), among those for which `evictable` holds. None only when
+    /// no slot is evictable.
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId>;
     /// What the policy has learned, for a hot set: each expert's use count
     /// now (held or not). Empty for a policy that keeps none.
     fn counts(&self) -> Vec<(ExpertKey, f64)> {
@@ -37,20 +39,27 @@ pub trait Policy: Send {
 /// The policies there are, by name.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PolicyKind {
-    /// Frequency with aging, aware of the layer cycle (`Freq`).
+    /// Freq, with or without shares, whichever has been hitting more (`FreqAuto`).
     #[default]
+    FreqAuto,
+    /// Frequency with aging, each layer within its share of its slot class
+    /// (`Freq::with_shares`).
+    FreqShares,
+    /// Frequency with aging, aware of the layer cycle, over the whole class (`Freq`).
     Freq,
     /// Least recently used.
     Lru,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 2] = [PolicyKind::Freq, PolicyKind::Lru];
+    pub const ALL: [PolicyKind; 4] = [PolicyKind::FreqAuto, PolicyKind::FreqShares, PolicyKind::Freq, PolicyKind::Lru];
 
     pub fn name(self) -> &'static str {
         match self {
             PolicyKind::Lru => "lru",
             PolicyKind::Freq => "freq",
+            PolicyKind::FreqShares => "freq-shares",
+            PolicyKind::FreqAuto => "freq-auto",
         }
     }
 
@@ -62,12 +71,31 @@ impl PolicyKind {
         })
     }
 
-    /// A fresh policy of this kind over `n_slots` slots.
-    pub fn build(self, n_slots: usize) -> Box<dyn Policy> {
+    /// A fresh policy of this kind over the slots of `plan`.
+    pub fn build(self, plan: &Plan) -> Box<dyn Policy> {
+        let n_slots = plan.classes.iter().map(|c| c.end).max().unwrap_or(0);
         match self {
             PolicyKind::Lru => Box::new(Lru::new(n_slots)),
             PolicyKind::Freq => Box::new(Freq::new(n_slots)),
+            PolicyKind::FreqShares => Box::new(Freq::with_shares(n_slots, plan)),
+            PolicyKind::FreqAuto => Box::new(FreqAuto::new(plan)),
         }
+    }
+}
+
+/// What a policy is told of the arena: each layer's slot class, and each
+/// class's slots.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    /// (layer, index into `classes`), one per paged layer.
+    pub layer_class: Vec<(u32, usize)>,
+    pub classes: Vec<Range<SlotId>>,
+}
+
+impl Plan {
+    /// The plan of `layout`'s layers over `classes`.
+    pub fn new(layout: &super::layout::Layout, classes: &[super::arena::SlotClass]) -> Plan {
+        Plan { layer_class: layout.layers.values().map(|l| (l.layer, l.class)).collect(), classes: classes.iter().map(|c| c.slots()).collect() }
     }
 }
 
@@ -107,7 +135,7 @@ impl Policy for Lru {
         self.last_use[slot] = 0;
     }
 
-    fn victim(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    fn victim(&self, _layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         slots.filter(|&s| evictable(s)).min_by_key(|&s| self.last_use[s])
     }
 }
@@ -129,6 +157,16 @@ pub const FREQ_HALF_LIFE: f64 = 64.0;
 /// holds less than a token's experts for every layer, the least recently
 /// used expert belongs to the layer that runs next. A count survives
 /// eviction, so an expert the router favours comes back with its history.
+///
+/// With shares (`Freq::with_shares`, the default policy) each layer owns
+/// an equal share of its slot class: a layer holding its share gives up
+/// its own expert of the farthest expected use, or an expert no layer has
+/// used for a while (a count below one use), and a layer under its share
+/// takes from the layers over theirs. Counts of different layers are not
+/// comparable estimates: on a trained model's routing, one layer's
+/// once-used expert is as likely to come back as another's favourite, and
+/// across the whole class freq keeps the wrong ones (docs/BENCHMARKS.md,
+/// "Each layer its share").
 pub struct Freq {
     /// Per slot: the expert held, and whether it was filled (prefetched,
     /// preloaded) and not used since, which counts as one use.
@@ -140,11 +178,45 @@ pub struct Freq {
     last_run: Vec<u64>,
     /// Batches run, all layers.
     now: u64,
+    /// With shares: per layer, how many layers share its slot class (0 for
+    /// a layer not in the plan, which has no share).
+    sharers: Option<Vec<usize>>,
+    /// Whether the shares apply now (`FreqAuto` switches them).
+    shares_on: bool,
 }
+
+/// Below this count (one use, aged) an expert is up for eviction by any
+/// layer of its class, not only its own: it is what lets a layer with
+/// fewer experts worth keeping than its share lend the rest.
+const LENDABLE_COUNT: f64 = 1.0;
 
 impl Freq {
     pub fn new(n_slots: usize) -> Freq {
-        Freq { slots: vec![None; n_slots], counts: Vec::new(), layer_batches: Vec::new(), last_run: Vec::new(), now: 0 }
+        Freq { slots: vec![None; n_slots], counts: Vec::new(), layer_batches: Vec::new(), last_run: Vec::new(), now: 0, sharers: None, shares_on: false }
+    }
+
+    /// Freq with each layer in an equal share of its class; `layer_class`
+    /// gives each layer's class index.
+    pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
+        let layer_class = &plan.layer_class;
+        let n_layers = layer_class.iter().map(|&(l, _)| l as usize + 1).max().unwrap_or(0);
+        let mut sharers = vec![0; n_layers];
+        for &(l, c) in layer_class {
+            sharers[l as usize] = layer_class.iter().filter(|&&(_, c2)| c2 == c).count();
+        }
+        Freq { sharers: Some(sharers), shares_on: true, ..Freq::new(n_slots) }
+    }
+
+    /// The evictable slot in `slots` allowed by `allowed` whose expert's
+    /// next use is expected farthest away (an empty one first); the lowest
+    /// slot id among equals.
+    fn farthest(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool, allowed: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
+        slots
+            .filter(|&s| evictable(s) && allowed(s))
+            .map(|s| (self.next_use(s, n_layers), s))
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+            .map(|(_, s)| s)
     }
 
     fn batches_of(&self, layer: u32) -> u64 {
@@ -178,7 +250,11 @@ fn decay(batches: u64) -> f64 {
 
 impl Policy for Freq {
     fn name(&self) -> &'static str {
-        "freq"
+        if self.sharers.is_some() {
+            "freq-shares"
+        } else {
+            "freq"
+        }
     }
 
     fn begin_batch(&mut self, layer: u32) {
@@ -244,10 +320,152 @@ impl Policy for Freq {
         }
     }
 
-    fn victim(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
-        // Farthest expected use; the lowest slot id among equals.
-        slots.filter(|&s| evictable(s)).map(|s| (self.next_use(s, n_layers), s)).max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1))).map(|(_, s)| s)
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        let any = |_: SlotId| true;
+        let Some(sharers) = self.sharers.as_ref().filter(|_| self.shares_on).and_then(|v| v.get(layer as usize)).copied().filter(|&n| n > 0) else {
+            return self.farthest(slots, evictable, &any);
+        };
+        let share = (slots.len() / sharers).max(1);
+        let mut held = vec![0usize; self.counts.len().max(layer as usize + 1)];
+        for s in slots.clone() {
+            if let Some(((l, _), _)) = self.slots[s] {
+                if held.len() <= l as usize {
+                    held.resize(l as usize + 1, 0);
+                }
+                held[l as usize] += 1;
+            }
+        }
+        let chosen = if held[layer as usize] >= share {
+            // At its share: its own, or what its layer no longer uses.
+            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+                None => true,
+                Some((key, fresh)) => key.0 == layer || (!fresh && self.count(key) < LENDABLE_COUNT),
+            })
+        } else {
+            // Under its share: from a layer over its own.
+            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+                None => true,
+                Some(((l, _), _)) => held[l as usize] > share,
+            })
+        };
+        // Nothing so allowed is evictable (pinned, or a prefetch that may
+        // not touch its own layer): the farthest of any layer.
+        chosen.or_else(|| self.farthest(slots, evictable, &any))
+    }
+}
+
+/// How many tokens it takes a shadow's hit count to halve in `FreqAuto`.
+const AUTO_HALF_LIFE_TOKENS: f64 = 16.0;
+
+/// Freq with shares or without, whichever has been hitting more. Neither
+/// wins everywhere: on a trained model's routing, shares keep more from 1.5
+/// token cycles on; where the router's favourites are stable, as in
+/// generated models, freq over the whole class does (docs/BENCHMARKS.md,
+/// "Each layer its share"). So two shadow slot tables, one per way, replay
+/// every batch's lookups (demand only, over the plan's full classes), each
+/// with its hits aged by `AUTO_HALF_LIFE_TOKENS`; the arena's own victims
+/// follow the one ahead, and shares stay off until one is.
+pub struct FreqAuto {
+    live: Freq,
+    /// Shadows: [with shares, without].
+    shadows: [Shadow; 2],
+    plan: Plan,
+    /// The batch under way: its layer and the experts used so far.
+    batch: Option<(u32, Vec<u32>)>,
+    /// The factor a shadow's hits keep per batch.
+    aging: f64,
+}
+
+struct Shadow {
+    res: super::residency::Residency,
+    hits: f64,
+}
+
+impl FreqAuto {
+    pub fn new(plan: &Plan) -> FreqAuto {
+        let n_slots = plan.classes.iter().map(|c| c.end).max().unwrap_or(0);
+        let mut live = Freq::with_shares(n_slots, plan);
+        live.shares_on = false;
+        let shadow = |p: Freq| Shadow { res: super::residency::Residency::new(n_slots, Box::new(p)), hits: 0.0 };
+        let n_layers = plan.layer_class.len().max(1) as f64;
+        FreqAuto {
+            live,
+            shadows: [shadow(Freq::with_shares(n_slots, plan)), shadow(Freq::new(n_slots))],
+            plan: plan.clone(),
+            batch: None,
+            aging: (-1.0 / (AUTO_HALF_LIFE_TOKENS * n_layers)).exp2(),
+        }
+    }
+
+    /// Whether the arena's victims follow the shares now.
+    pub fn shares_on(&self) -> bool {
+        self.live.shares_on
+    }
+
+    /// The shadows replay the batch just done, and the one ahead leads.
+    fn close_batch(&mut self) {
+        let Some((layer, experts)) = self.batch.take() else { return };
+        let Some(class) = self.plan.layer_class.iter().find(|&&(l, _)| l == layer).and_then(|&(_, c)| self.plan.classes.get(c)).cloned() else {
+            return;
+        };
+        for sh in &mut self.shadows {
+            let adm = sh.res.admit(layer, class.clone(), &experts, &|_| true);
+            for &e in &adm.deferred {
+                if let Some(slot) = sh.res.victim(layer, class.clone(), &|_| true) {
+                    sh.res.fill(slot, (layer, e));
+                    sh.res.used(slot);
+                }
+            }
+            sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
+        }
+        let [with, without] = &self.shadows;
+        if with.hits != without.hits {
+            self.live.shares_on = with.hits > without.hits;
+        }
+    }
+}
+
+impl Policy for FreqAuto {
+    fn name(&self) -> &'static str {
+        "freq-auto"
+    }
+
+    fn begin_batch(&mut self, layer: u32) {
+        self.close_batch();
+        self.batch = Some((layer, Vec::new()));
+        self.live.begin_batch(layer);
+    }
+
+    fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.live.filled(slot, key);
+    }
+
+    fn used(&mut self, slot: SlotId, key: ExpertKey) {
+        if let Some((layer, experts)) = &mut self.batch {
+            if *layer == key.0 && !experts.contains(&key.1) {
+                experts.push(key.1);
+            }
+        }
+        self.live.used(slot, key);
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.live.forget(slot);
+    }
+
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        self.live.victim(layer, slots, evictable)
+    }
+
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        self.live.counts()
+    }
+
+    fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        self.live.learn(counts);
+        for sh in &mut self.shadows {
+            sh.res.learn(counts);
+        }
     }
 }
 
@@ -264,18 +482,18 @@ mod tests {
         }
         lru.begin_batch(0);
         lru.used(0, (0, 0));
-        assert_eq!(lru.victim(0..4, &|_| true), Some(1));
-        assert_eq!(lru.victim(0..4, &|s| s != 1), Some(2));
-        assert_eq!(lru.victim(2..4, &|_| true), Some(2));
+        assert_eq!(lru.victim(0, 0..4, &|_| true), Some(1));
+        assert_eq!(lru.victim(0, 0..4, &|s| s != 1), Some(2));
+        assert_eq!(lru.victim(0, 2..4, &|_| true), Some(2));
         lru.forget(3);
-        assert_eq!(lru.victim(0..4, &|_| true), Some(3));
-        assert_eq!(lru.victim(0..4, &|_| false), None);
+        assert_eq!(lru.victim(0, 0..4, &|_| true), Some(3));
+        assert_eq!(lru.victim(0, 0..4, &|_| false), None);
         // Uses within one batch are one instant: the lowest slot goes first.
         lru.begin_batch(1);
         for s in [3, 2, 1] {
             lru.used(s, (1, s as u32));
         }
-        assert_eq!(lru.victim(1..4, &|_| true), Some(1));
+        assert_eq!(lru.victim(0, 1..4, &|_| true), Some(1));
     }
 
     #[test]
@@ -293,33 +511,91 @@ mod tests {
             f.used(2, (1, 0));
         }
         // The one-off goes before the favourite, though both were just used.
-        assert_eq!(f.victim(0..2, &|_| true), Some(1));
+        assert_eq!(f.victim(0, 0..2, &|_| true), Some(1));
         // Equal counts: layer 1 ran last, so its expert is needed last.
         let mut g = Freq::new(2);
         g.begin_batch(0);
         g.used(0, (0, 5));
         g.begin_batch(1);
         g.used(1, (1, 5));
-        assert_eq!(g.victim(0..2, &|_| true), Some(1));
+        assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
         // A prefetched expert counts as used once; an empty slot goes first.
         g.filled(0, (0, 6));
         g.forget(1);
-        assert_eq!(g.victim(0..2, &|_| true), Some(1));
-        assert_eq!(g.victim(0..2, &|s| s == 0), Some(0));
+        assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
+        assert_eq!(g.victim(0, 0..2, &|s| s == 0), Some(0));
         // Counts carry over to a fresh policy (a warm start).
         let mut h = Freq::new(2);
         h.learn(&f.counts());
         assert_eq!(h.counts(), f.counts());
         h.filled(0, (0, 1));
         h.filled(1, (0, 29));
-        assert_eq!(h.victim(0..2, &|_| true), Some(1), "the favourite's history came along");
+        assert_eq!(h.victim(0, 0..2, &|_| true), Some(1), "the favourite's history came along");
+    }
+
+    #[test]
+    fn with_shares_a_layer_gives_up_its_own_until_under_its_share() {
+        // Two layers share one class of 4 slots: a share of 2 each.
+        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: vec![0..4] };
+        let mut f = Freq::with_shares(4, &plan);
+        let use_in = |f: &mut Freq, slot: SlotId, key: ExpertKey, times: u32| {
+            for _ in 0..times {
+                f.begin_batch(key.0);
+                f.filled(slot, key);
+                f.used(slot, key);
+            }
+        };
+        // Layer 0 holds two favourites, layer 1 two experts used less.
+        use_in(&mut f, 0, (0, 1), 8);
+        use_in(&mut f, 1, (0, 2), 6);
+        use_in(&mut f, 2, (1, 1), 3);
+        use_in(&mut f, 3, (1, 2), 2);
+        // Without shares, layer 0's miss would take layer 1's least used.
+        let mut whole = Freq::with_shares(4, &plan);
+        whole.shares_on = false;
+        for (slot, key, n) in [(0, (0, 1), 8), (1, (0, 2), 6), (2, (1, 1), 3), (3, (1, 2), 2)] {
+            use_in(&mut whole, slot, key, n);
+        }
+        assert_eq!(whole.victim(0, 0..4, &|_| true), Some(3));
+        // With them, layer 0 is at its share: it gives up its own.
+        f.begin_batch(0);
+        assert_eq!(f.victim(0, 0..4, &|_| true), Some(1));
+        // Pinned, its own cannot go: then the farthest of any layer.
+        assert_eq!(f.victim(0, 0..4, &|s| s >= 2), Some(3));
+        // Layer 1 holding 3 of 4 slots, layer 0 (under its share) takes
+        // layer 1's least used, though its own in slot 0 is used less.
+        f.forget(1);
+        f.filled(1, (1, 9));
+        for _ in 0..4 {
+            f.begin_batch(1);
+            f.used(1, (1, 9));
+        }
+        f.forget(0);
+        f.filled(0, (0, 5));
+        f.used(0, (0, 5));
+        f.begin_batch(0);
+        assert_eq!(f.victim(0, 0..4, &|_| true), Some(3));
+        // An expert used once long ago is lent to any layer.
+        let mut g = Freq::with_shares(4, &plan);
+        use_in(&mut g, 0, (0, 1), 8);
+        use_in(&mut g, 1, (0, 2), 6);
+        use_in(&mut g, 2, (1, 1), 1);
+        use_in(&mut g, 3, (1, 2), 6);
+        for _ in 0..10 {
+            g.begin_batch(1);
+            g.used(3, (1, 2));
+        }
+        g.begin_batch(0);
+        assert!(g.count((1, 1)) < LENDABLE_COUNT);
+        assert_eq!(g.victim(0, 0..4, &|_| true), Some(2));
     }
 
     #[test]
     fn names_parse_and_unknown_ones_are_listed() {
         assert_eq!(PolicyKind::parse("LRU"), Ok(PolicyKind::Lru));
         assert_eq!(PolicyKind::parse("freq"), Ok(PolicyKind::Freq));
-        assert_eq!(PolicyKind::default(), PolicyKind::Freq);
+        assert_eq!(PolicyKind::default(), PolicyKind::FreqAuto);
+        assert_eq!(PolicyKind::parse("freq-shares"), Ok(PolicyKind::FreqShares));
         let e = PolicyKind::parse("fifo").unwrap_err();
         assert!(e.contains("'fifo'") && e.contains("lru"), "{e}");
     }

@@ -84,7 +84,7 @@ impl Residency {
                 continue;
             }
             let keys = &self.keys;
-            match self.policy.victim(class.clone(), &|s| evictable(s) && !in_batch(keys, s)) {
+            match self.policy.victim(layer, class.clone(), &|s| evictable(s) && !in_batch(keys, s)) {
                 Some(slot) => {
                     let evicted = self.fill(slot, key);
                     self.policy.used(slot, key);
@@ -96,9 +96,10 @@ impl Residency {
         out
     }
 
-    /// The policy's victim in `class` among the slots for which `evictable` holds.
-    pub fn victim(&self, class: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        self.policy.victim(class, evictable)
+    /// The policy's victim in `class`, for an expert of `layer`, among the
+    /// slots for which `evictable` holds.
+    pub fn victim(&self, layer: u32, class: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        self.policy.victim(layer, class, evictable)
     }
 
     /// Gives `slot` to `key`; returns what it held.
@@ -170,6 +171,6 @@ mod tests {
         assert_eq!(r.len(), 3);
         r.clear(a.fills[0].slot);
         assert_eq!(r.slot_of((1, 1)), None);
-        assert_eq!(r.victim(0..3, &|_| true), Some(a.fills[0].slot));
+        assert_eq!(r.victim(0, 0..3, &|_| true), Some(a.fills[0].slot));
     }
 }

@@ -51,7 +51,7 @@ fn replay_reproduces_the_live_hit_rate() {
     let probe = live("probe", "2G", 2, "freq", &[]);
     let cycle = u(&replay(&probe.trace, &["--cycles", "1"]), "token_cycle_bytes");
     let after_load = u(&probe.stats, "rss_anon_after_load_bytes");
-    for (policy, threads, cycles) in [("freq", 1, 1.0), ("lru", 1, 1.0), ("freq", 1, 2.5), ("freq", 2, 1.0)] {
+    for (policy, threads, cycles) in [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("freq-auto", 2, 1.0)] {
         // An arena of about `cycles` token cycles; 4 MiB of slack for the
         // anonymous memory after load, which varies a little between runs.
         let budget = (after_load + 16 * MIB + (cycles * cycle as f64) as u64 + 4 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
@@ -84,21 +84,24 @@ fn replay_reproduces_the_live_hit_rate() {
 
 #[test]
 fn the_default_policy_beats_lru_at_one_token_cycle_and_never_loses_to_it() {
-    let l = live("policies", "2G", 2, "freq", &[]);
+    let l = live("policies", "2G", 2, "freq-auto", &[]);
     let cycles = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
     let list = cycles.map(|c| c.to_string()).join(",");
     let report = replay(&l.trace, &["--cycles", &list, "--policy", "all"]);
     for (r, c) in report["results"].as_array().unwrap().iter().zip(cycles) {
         let pct = |p: &str| tally(r, p)["hit_pct"].as_f64().unwrap();
         let belady = r["belady"]["hit_pct"].as_f64().unwrap();
-        eprintln!("{c} cycles: freq {:.1} %, lru {:.1} %, Bélády {belady:.1} %", pct("freq"), pct("lru"));
-        assert!(pct("freq") <= belady && pct("lru") <= belady, "{c} cycles: above the optimum: {r}");
+        eprintln!("{c} cycles: freq-auto {:.1} %, freq {:.1} %, lru {:.1} %, Bélády {belady:.1} %", pct("freq-auto"), pct("freq"), pct("lru"));
+        assert!(pct("freq-auto") <= belady && pct("lru") <= belady, "{c} cycles: above the optimum: {r}");
         if c == 1.0 {
-            assert!(pct("freq") >= pct("lru") + 15.0, "one token cycle: {r}");
+            assert!(pct("freq-auto") >= pct("lru") + 15.0, "one token cycle: {r}");
         }
         if c >= 1.0 {
-            assert!(pct("freq") >= pct("lru") - 1.0, "{c} cycles: {r}");
+            assert!(pct("freq-auto") >= pct("lru") - 1.0, "{c} cycles: {r}");
         }
+        // On a generated model's routing, freq over the whole class does well:
+        // the default follows it within a point.
+        assert!(pct("freq-auto") >= pct("freq") - 1.0, "{c} cycles: {r}");
     }
 }
 
@@ -119,7 +122,7 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     // Unknown policies list the known ones.
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-policy", "mru"]), 60);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("--sdq-policy: unknown policy 'mru' (one of: freq, lru)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--sdq-policy: unknown policy 'mru' (one of: freq-auto, freq-shares, freq, lru)"), "{}", stderr(&o));
     // A malformed trace names its file and line, without a backtrace.
     let bad = scratch().join("bad-trace.csv");
     std::fs::write(&bad, "# layer=0 bytes=100 experts=4\nstep,phase,layer,expert,weight\n0,d,0,1,0.5\n0,d,0,9,0.5\n").unwrap();
@@ -239,7 +242,7 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     assert_eq!(r["judged_from_step"], 65);
     let mut shares = Vec::new();
     for (c, at) in cycles.iter().zip(r["results"].as_array().unwrap()) {
-        let default = tally(at, "freq");
+        let default = tally(at, "freq-auto");
         let lru = tally(at, "lru");
         let (d, l) = (default["decode_hit_pct"].as_f64().unwrap(), lru["decode_hit_pct"].as_f64().unwrap());
         assert!(d >= l, "{c} token cycles: the default policy's {d:.1} % is below LRU's {l:.1} %");
@@ -249,6 +252,7 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     }
     let mean = shares.iter().sum::<f64>() / shares.len() as f64;
     eprintln!("default policy, judged on steps 65-128: shares of the LRU → Bélády gap at 1-4 token cycles {shares:.1?}, mean {mean:.1} %");
-    // Measured 23.4 % when this test was written: it may rise, not fall.
-    assert!(mean >= 22.0, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 23.4 %)");
+    // Measured 35.1 % when the default became freq-auto (freq: 23.4 %): it
+    // may rise, not fall.
+    assert!(mean >= 34.0, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 35.1 %)");
 }
