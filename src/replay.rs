@@ -19,6 +19,7 @@ use crate::pager::residency::Residency;
 use crate::pager::ExpertKey;
 use crate::trace::{Phase, Trace};
 use std::collections::{BTreeSet, HashMap};
+use std::ops::Range;
 
 /// Hits and misses of one replay.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -159,6 +160,96 @@ pub fn known_frequency(trace: &Trace, layout: &Layout, classes: &[SlotClass], ju
     replay_with(trace, layout, classes, Box::new(KnownFrequency { counts, slots: vec![None; n_slots], clock: 0 }), judged_from)
 }
 
+/// A reference, not an online policy: what knowing the routing a little
+/// ahead would be worth. At each batch the default policy is told which
+/// experts the next `batches` batches use (a share `recall` of those uses,
+/// picked by a fixed hash): a layer of one step is a batch, so fewer
+/// batches than layers is what the next layers' routers applied early could
+/// know, and a token of every layer or more is the next tokens' routing. It
+/// keeps what it was told is coming, giving up the one told farthest only
+/// when nothing else is evictable. Bélády knows everything.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ToldAhead {
+    pub batches: u64,
+    pub recall: f64,
+}
+
+struct Told {
+    inner: Box<dyn Policy>,
+    /// Each expert's uses: batch indices (trace order), ascending.
+    uses: HashMap<ExpertKey, Vec<usize>>,
+    told: ToldAhead,
+    /// The batch under way (its index), once one has begun.
+    batch: Option<usize>,
+    /// What each slot holds.
+    keys: Vec<Option<ExpertKey>>,
+}
+
+impl Told {
+    /// Whether the use of `key` at batch `i` is one the policy is told of: a
+    /// fixed hash of both, below `recall`.
+    fn revealed(&self, i: usize, key: ExpertKey) -> bool {
+        let mut z = (i as u64) << 32 ^ (key.0 as u64) << 20 ^ key.1 as u64;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        ((z >> 11) as f64 / (1u64 << 53) as f64) < self.told.recall
+    }
+
+    /// The batch told to use `slot`'s expert next, if any.
+    fn coming(&self, slot: SlotId) -> Option<usize> {
+        let key = self.keys[slot]?;
+        let now = self.batch?;
+        let uses = self.uses.get(&key)?;
+        let next = *uses.get(uses.partition_point(|&b| b <= now))?;
+        ((next - now) as u64 <= self.told.batches && self.revealed(next, key)).then_some(next)
+    }
+}
+
+impl Policy for Told {
+    fn name(&self) -> &'static str {
+        "told-ahead"
+    }
+
+    fn begin_batch(&mut self, layer: u32) {
+        self.batch = Some(self.batch.map_or(0, |b| b + 1));
+        self.inner.begin_batch(layer);
+    }
+
+    fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.keys[slot] = Some(key);
+        self.inner.filled(slot, key);
+    }
+
+    fn used(&mut self, slot: SlotId, key: ExpertKey) {
+        self.inner.used(slot, key);
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.keys[slot] = None;
+        self.inner.forget(slot);
+    }
+
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        self.inner
+            .victim(layer, slots.clone(), &|s| evictable(s) && self.coming(s).is_none())
+            .or_else(|| slots.filter(|&s| evictable(s)).max_by_key(|&s| (self.coming(s), std::cmp::Reverse(s))))
+    }
+}
+
+/// The trace replayed with the default policy told `told` ahead (`Told`).
+pub fn told_ahead(trace: &Trace, layout: &Layout, classes: &[SlotClass], told: ToldAhead, judged_from: u64) -> Tally {
+    let mut uses: HashMap<ExpertKey, Vec<usize>> = HashMap::new();
+    for (i, b) in trace.batches.iter().enumerate() {
+        for &e in &b.experts {
+            uses.entry((b.layer, e)).or_default().push(i);
+        }
+    }
+    let n_slots: usize = classes.iter().map(|c| c.count).sum();
+    let policy = Told { inner: PolicyKind::default().build(&Plan::new(layout, classes)), uses, told, batch: None, keys: vec![None; n_slots] };
+    replay_with(trace, layout, classes, Box::new(policy), judged_from)
+}
+
 /// The most hits any policy can have over `classes` with the same
 /// accounting (Bélády): each class keeps, after each batch, the experts of
 /// its slots and of the batch whose next use comes soonest. It may even
@@ -209,17 +300,19 @@ pub struct Outcome {
     pub belady: Tally,
     /// Each expert's decode count known in advance (`known_frequency`).
     pub known_frequency: Tally,
+    /// The default policy told the routing ahead (`told_ahead`), if asked.
+    pub told: Vec<(ToldAhead, Tally)>,
 }
 
 /// The trace replayed at `arena_bytes` through each of `policies`, with the bound.
 pub fn run(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind]) -> Result<Outcome> {
-    run_judged(trace, arena_bytes, policies, 0)
+    run_judged(trace, arena_bytes, policies, 0, &[])
 }
 
 /// As `run`, counting the batches from step `judged_from` on: a policy
 /// tuned on the steps before it is judged on the rest, with the history
 /// it learned from them.
-pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judged_from: u64) -> Result<Outcome> {
+pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judged_from: u64, told: &[ToldAhead]) -> Result<Outcome> {
     let layout = layout_of(trace);
     let classes = plan(trace, &layout, arena_bytes)?;
     let belady = belady(trace, &layout, &classes, judged_from);
@@ -240,7 +333,26 @@ pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judg
     if judged_from == 0 {
         assert!(known_frequency.hits <= belady.hits, "known frequency has {} hits, above Bélády's {}", known_frequency.hits, belady.hits);
     }
-    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady, known_frequency })
+    let told = told
+        .iter()
+        .map(|&t| {
+            let tally = told_ahead(trace, &layout, &classes, t, judged_from);
+            if judged_from == 0 {
+                assert!(tally.hits <= belady.hits, "told {t:?}: {} hits, above Bélády's {}", tally.hits, belady.hits);
+            }
+            (t, tally)
+        })
+        .collect();
+    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady, known_frequency, told })
+}
+
+/// A row's name for `told`: told-B (batches), with the recall if not 1.
+fn told_name(told: &ToldAhead) -> String {
+    if told.recall >= 1.0 {
+        format!("told-{}", told.batches)
+    } else {
+        format!("told-{}@{}", told.batches, told.recall)
+    }
 }
 
 /// A replay at several arena sizes, for printing.
@@ -259,10 +371,10 @@ pub struct Report {
 impl Report {
     /// The trace replayed at each of `arena_sizes` through each of
     /// `policies`, counted from step `judged_from`.
-    pub fn new(trace_name: &str, trace: &Trace, arena_sizes: &[u64], policies: &[PolicyKind], judged_from: u64) -> Result<Report> {
+    pub fn new(trace_name: &str, trace: &Trace, arena_sizes: &[u64], policies: &[PolicyKind], judged_from: u64, told: &[ToldAhead]) -> Result<Report> {
         let mut steps: Vec<(u64, Phase)> = trace.batches.iter().map(|b| (b.step, b.phase)).collect();
         steps.dedup();
-        let outcomes = arena_sizes.iter().map(|&a| run_judged(trace, a, policies, judged_from)).collect::<Result<Vec<_>>>()?;
+        let outcomes = arena_sizes.iter().map(|&a| run_judged(trace, a, policies, judged_from, told)).collect::<Result<Vec<_>>>()?;
         Ok(Report {
             trace: trace_name.to_string(),
             top_k: trace.top_k,
@@ -300,7 +412,8 @@ impl Report {
         out += &format!("{:>11} {:>7} {:>8} {:>7} {:>9} {:>7} {:>10} {:>12}\n", "arena", "cycles", "policy", "hit %", "decode %", "gap %", "misses", "read");
         for o in &self.outcomes {
             let cycles = o.arena_bytes as f64 / self.token_cycle.max(1) as f64;
-            let rows = o.policies.iter().map(|(p, t)| (p.name(), t)).chain([("known-fr", &o.known_frequency), ("belady", &o.belady)]);
+            let told: Vec<(String, &Tally)> = o.told.iter().map(|(a, t)| (told_name(a), t)).collect();
+            let rows = o.policies.iter().map(|(p, t)| (p.name().to_string(), t)).chain(told).chain([("known-fr".to_string(), &o.known_frequency), ("belady".to_string(), &o.belady)]);
             for (name, t) in rows {
                 let gap = Self::gap_share(o, t).map_or_else(|| "-".to_string(), |g| format!("{g:.0}"));
                 out += &format!(
@@ -327,6 +440,9 @@ impl Report {
             };
             let mut means: Vec<String> =
                 names.iter().filter_map(|&p| mean(p.name(), &|o: &Outcome| o.policies.iter().find(|(q, _)| *q == p).map(|(_, t)| *t))).collect();
+            for (i, (a, _)) in mid[0].told.iter().enumerate() {
+                means.extend(mean(&told_name(a), &|o: &Outcome| o.told.get(i).map(|(_, t)| *t)));
+            }
             means.extend(mean("known frequency", &|o: &Outcome| Some(o.known_frequency)));
             if !means.is_empty() {
                 out += &format!("share of the LRU → Bélády gap closed (decode), mean over the {} sizes from 1 to 4 token cycles: {}\n", mid.len(), means.join(", "));
@@ -369,6 +485,13 @@ impl Report {
                 }).collect::<Vec<_>>(),
                 "belady": tally(&o.belady),
                 "known_frequency": known(o),
+                "told_ahead": o.told.iter().map(|(a, t)| {
+                    let mut v = tally(t);
+                    v["batches"] = json!(a.batches);
+                    v["recall"] = json!(a.recall);
+                    v["decode_gap_share_pct"] = json!(Self::gap_share(o, t));
+                    v
+                }).collect::<Vec<_>>(),
             })).collect::<Vec<_>>(),
         })
     }
@@ -477,6 +600,24 @@ mod tests {
             }
         }
         assert!(shares_ahead > 0 && freq_ahead > 0, "shares ahead {shares_ahead} times, freq {freq_ahead}: the test tells nothing");
+    }
+
+    #[test]
+    fn told_ahead_is_the_default_told_nothing_and_gains_told_all() {
+        for seed in 0..6 {
+            let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 120);
+            let min = layout_of(&t).min_arena_bytes(t.top_k);
+            let arena = (2 * t.token_cycle()).max(min);
+            let told = [0, 1_000_000].map(|batches| ToldAhead { batches, recall: 1.0 });
+            let o = run_judged(&t, arena, &[PolicyKind::default()], 0, &told).unwrap();
+            let default = o.policies[0].1.hits;
+            let (nothing, all) = (o.told[0].1.hits, o.told[1].1.hits);
+            assert_eq!(nothing, default, "seed {seed}: told nothing");
+            // Told every next use, it keeps the soonest when it must give
+            // one up: more than the default, and (checked by run_judged) no
+            // more than Bélády, who may also leave out the batch's own.
+            assert!(all > default, "seed {seed}: told all {all}, default {default}, Bélády {}", o.belady.hits);
+        }
     }
 
     #[test]

@@ -147,6 +147,15 @@ struct ReplayArgs {
     /// part of a trace it was not tuned on.
     #[arg(long, default_value_t = 0)]
     judged_from: u64,
+    /// Also replay a reference that is not an online policy: the default
+    /// policy told, at each use, whether the expert comes back within this
+    /// many batches (a layer of one step is a batch; a token of every layer
+    /// is the layer count). A list replays each.
+    #[arg(long, value_delimiter = ',')]
+    told_ahead: Vec<u64>,
+    /// The share of those uses it is told of (0 to 1).
+    #[arg(long, default_value_t = 1.0)]
+    told_recall: f64,
     /// Print JSON instead of a table.
     #[arg(long)]
     json: bool,
@@ -180,7 +189,11 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
     if a.judged_from > 0 && !trace.batches.iter().any(|b| b.step >= a.judged_from) {
         return Err(sdq::Error::invalid(format!("--judged-from {}: the trace's last step is {}", a.judged_from, trace.batches.last().map_or(0, |b| b.step))));
     }
-    let report = sdq::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies, a.judged_from)?;
+    if !(0.0..=1.0).contains(&a.told_recall) {
+        return Err(sdq::Error::invalid(format!("--told-recall: '{}' is not between 0 and 1", a.told_recall)));
+    }
+    let told: Vec<sdq::replay::ToldAhead> = a.told_ahead.iter().map(|&batches| sdq::replay::ToldAhead { batches, recall: a.told_recall }).collect();
+    let report = sdq::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies, a.judged_from, &told)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("serialize"));
     } else {
