@@ -158,15 +158,15 @@ pub const FREQ_HALF_LIFE: f64 = 64.0;
 /// used expert belongs to the layer that runs next. A count survives
 /// eviction, so an expert the router favours comes back with its history.
 ///
-/// With shares (`Freq::with_shares`, the default policy) each layer owns
-/// an equal share of its slot class: a layer holding its share gives up
-/// its own expert of the farthest expected use, or an expert no layer has
-/// used for a while (a count below one use), and a layer under its share
-/// takes from the layers over theirs. Counts of different layers are not
-/// comparable estimates: on a trained model's routing, one layer's
-/// once-used expert is as likely to come back as another's favourite, and
-/// across the whole class freq keeps the wrong ones (docs/BENCHMARKS.md,
-/// "Each layer its share").
+/// With shares (`Freq::with_shares`; the default, `FreqAuto`, turns them
+/// on while they hit more) each layer owns an equal share of its slot
+/// class: a layer holding its share gives up its own expert of the
+/// farthest expected use, or an expert of any layer whose count has aged
+/// below one use, and a layer under its share takes from the layers over
+/// theirs. The counts of different layers compare badly on a trained
+/// model's routing: held to equal shares, the same counts keep 2–3 points
+/// more from 1.5 to 4 token cycles than ranked across the whole class
+/// (docs/BENCHMARKS.md, "Each layer its share").
 pub struct Freq {
     /// Per slot: the expert held, and whether it was filled (prefetched,
     /// preloaded) and not used since, which counts as one use.
@@ -195,8 +195,8 @@ impl Freq {
         Freq { slots: vec![None; n_slots], counts: Vec::new(), layer_batches: Vec::new(), last_run: Vec::new(), now: 0, sharers: None, shares_on: false }
     }
 
-    /// Freq with each layer in an equal share of its class; `layer_class`
-    /// gives each layer's class index.
+    /// Freq with each layer in an equal share of its class, as `plan` gives
+    /// each layer's class.
     pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
         let layer_class = &plan.layer_class;
         let n_layers = layer_class.iter().map(|&(l, _)| l as usize + 1).max().unwrap_or(0);
