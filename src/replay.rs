@@ -95,14 +95,9 @@ fn replay_with(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Bo
     for b in &trace.batches {
         let ll = &layout.layers[&b.layer];
         let class = classes[ll.class].slots();
-        let adm = res.admit(b.layer, class.clone(), &b.experts, &|_| true);
+        let adm = res.admit_unpinned(b.layer, class, &b.experts);
         if b.step >= judged_from {
             tally.count(b.phase, adm.hits.len(), adm.fills.len() + adm.deferred.len(), ll.expert_bytes as u64);
-        }
-        for &e in &adm.deferred {
-            let slot = res.victim(b.layer, class.clone(), &|_| true).expect("a class has slots");
-            res.fill(slot, (b.layer, e));
-            res.used(slot);
         }
     }
     tally

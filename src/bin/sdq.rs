@@ -148,9 +148,9 @@ struct ReplayArgs {
     #[arg(long, default_value_t = 0)]
     judged_from: u64,
     /// Also replay a reference that is not an online policy: the default
-    /// policy told, at each use, whether the expert comes back within this
-    /// many batches (a layer of one step is a batch; a token of every layer
-    /// is the layer count). A list replays each.
+    /// policy told, at each batch, which experts the next this many batches
+    /// use (a layer of one step is a batch; a token of every layer is the
+    /// layer count). A list replays each.
     #[arg(long, value_delimiter = ',')]
     told_ahead: Vec<u64>,
     /// The share of those uses it is told of (0 to 1).

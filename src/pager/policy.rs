@@ -397,11 +397,6 @@ impl FreqAuto {
         }
     }
 
-    /// Whether the arena's victims follow the shares now.
-    pub fn shares_on(&self) -> bool {
-        self.live.shares_on
-    }
-
     /// The shadows replay the batch just done, and the one ahead leads.
     fn close_batch(&mut self) {
         let Some((layer, experts)) = self.batch.take() else { return };
@@ -409,13 +404,7 @@ impl FreqAuto {
             return;
         };
         for sh in &mut self.shadows {
-            let adm = sh.res.admit(layer, class.clone(), &experts, &|_| true);
-            for &e in &adm.deferred {
-                if let Some(slot) = sh.res.victim(layer, class.clone(), &|_| true) {
-                    sh.res.fill(slot, (layer, e));
-                    sh.res.used(slot);
-                }
-            }
+            let adm = sh.res.admit_unpinned(layer, class.clone(), &experts);
             sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
         }
         let [with, without] = &self.shadows;

@@ -96,6 +96,20 @@ impl Residency {
         out
     }
 
+    /// One batch as a pager with one compute thread and nothing pinned runs
+    /// it: `admit` with every slot evictable, then each deferred miss takes
+    /// the policy's victim once the batch is done with the others. What
+    /// `sdq replay` and the policies' shadow tables count.
+    pub fn admit_unpinned(&mut self, layer: u32, class: Range<SlotId>, experts: &[u32]) -> Admission {
+        let adm = self.admit(layer, class.clone(), experts, &|_| true);
+        for &e in &adm.deferred {
+            let slot = self.victim(layer, class.clone(), &|_| true).expect("a class has slots");
+            self.fill(slot, (layer, e));
+            self.used(slot);
+        }
+        adm
+    }
+
     /// The policy's victim in `class`, for an expert of `layer`, among the
     /// slots for which `evictable` holds.
     pub fn victim(&self, layer: u32, class: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
