@@ -116,6 +116,7 @@ pub fn run(o: &DemoOptions) -> Result<()> {
             progress: true,
             preset: "demo (35b-a3b, 8 layers)".into(),
             image_tokens: false,
+            split_max_bytes: None,
         };
         genmodel::generate(&spec, &gen)?;
     }

@@ -16,6 +16,7 @@ impl GgmlType {
     pub const Q4_K: GgmlType = GgmlType(sys::GGML_TYPE_Q4_K);
     pub const Q5_K: GgmlType = GgmlType(sys::GGML_TYPE_Q5_K);
     pub const Q6_K: GgmlType = GgmlType(sys::GGML_TYPE_Q6_K);
+    pub const MXFP4: GgmlType = GgmlType(sys::GGML_TYPE_MXFP4);
 
     /// Parses a type name as ggml prints it (`q4_K`, `Q6_K`, `f32`, …), case-insensitively.
     pub fn from_name(name: &str) -> Option<GgmlType> {

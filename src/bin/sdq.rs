@@ -315,15 +315,21 @@ struct GenModelArgs {
     /// Output file.
     #[arg(short, long)]
     out: PathBuf,
-    /// Starting geometry: tiny (tens of MB) or 35b-a3b (the 35B-A3B target, ~21 GB).
+    /// Starting geometry: tiny (tens of MB), 35b-a3b (the 35B-A3B target,
+    /// ~21 GB), gpt-oss-120b (~64 GB, MXFP4 experts), gpt-oss-20b (~13 GB)
+    /// or deepseek-v3 (~400 GB at Q4_K_M's rule; cut it with --layers).
     #[arg(long, default_value = "tiny")]
     preset: String,
     /// Architecture family: qwen35moe, qwen3moe, qwen3next, gpt-oss, deepseek2, glm4moe,
     /// gemma4 or llama (Mixtral); each brings its own tensors, metadata and defaults.
     #[arg(long)]
     arch: Option<String>,
+    /// Layers (a preset's depth cut to N; state the cut with the figures).
     #[arg(long)]
     layers: Option<u32>,
+    /// Leading layers with a dense FFN instead of experts (deepseek2, glm4moe).
+    #[arg(long)]
+    dense_layers: Option<u32>,
     #[arg(long)]
     n_embd: Option<i64>,
     /// Attention heads (and --kv-heads, --head-dim).
@@ -368,9 +374,15 @@ struct GenModelArgs {
     /// Quantizer threads (default: all cores).
     #[arg(long)]
     threads: Option<usize>,
-    /// GGUF whose tokenizer is copied (default: the vendored ggml-vocab-qwen35.gguf).
+    /// GGUF whose tokenizer is copied (default: the vendored ggml-vocab-qwen35.gguf,
+    /// or ggml-vocab-deepseek-llm.gguf for a vocabulary smaller than its 151,936).
     #[arg(long)]
     vocab_file: Option<PathBuf>,
+    /// Write the model in parts of at most SIZE of tensor data each, named
+    /// and keyed as `llama-gguf-split --split-max-size` writes them
+    /// (OUT-00001-of-0000N.gguf); llama.cpp is given the first.
+    #[arg(long)]
+    split_max_size: Option<String>,
     /// Also write a MiniCPM-V 4.6 vision projector for this model here (the
     /// model then gets the image tokens its template needs).
     #[arg(long)]
@@ -384,7 +396,18 @@ struct GenModelArgs {
 fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     let mut spec = ModelSpec::preset(&a.preset)?;
     if let Some(arch) = &a.arch {
-        spec.set_arch(Arch::from_name(arch)?);
+        let arch = Arch::from_name(arch)?;
+        if ModelSpec::preset_is_a_model(&a.preset) && arch != spec.arch {
+            return Err(sdq::Error::invalid(format!(
+                "--arch {} conflicts with --preset {}, which is a {} model",
+                arch.name(),
+                a.preset,
+                spec.arch.name()
+            )));
+        }
+        if arch != spec.arch {
+            spec.set_arch(arch);
+        }
     }
     macro_rules! set {
         ($($field:ident = $arg:ident),*) => { $(if let Some(v) = a.$arg { spec.$field = v; })* };
@@ -392,7 +415,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     set!(n_layer = layers, n_embd = n_embd, n_head = heads, n_head_kv = kv_heads, head_dim = head_dim,
          n_expert = experts, n_expert_used = top_k, n_ff_exp = expert_ff, n_ff_shexp = shared_ff,
          n_vocab = vocab, context_length = context_length,
-         full_attention_interval = full_attention_interval);
+         full_attention_interval = full_attention_interval, n_layer_dense_lead = dense_layers);
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
     spec.router_skew = a.router_skew;
@@ -403,13 +426,23 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         );
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let vocab_file = a.vocab_file.unwrap_or_else(genmodel::default_vocab_file);
+    let vocab_file = a.vocab_file.unwrap_or_else(|| genmodel::vocab_file_for(spec.n_vocab));
     if a.mmproj.is_some() && a.vocab.is_none() {
         // Room for the image tokens after the tokenizer's own.
         let n_tokens = sdq::gguf::Gguf::open(&vocab_file)?.get("tokenizer.ggml.tokens").map_or(0, |v| match v { sdq::gguf::Value::Array(a) => a.len(), _ => 0 });
         spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
     }
-    let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some() };
+    let split_max_bytes = match &a.split_max_size {
+        Some(s) => match sdq::budget::parse_size(s) {
+            Ok(0) | Err(_) => return Err(sdq::Error::invalid(format!("--split-max-size: '{s}' is not a size (e.g. 50G, 4000M)"))),
+            Ok(n) => Some(n),
+        },
+        None => None,
+    };
+    if split_max_bytes.is_some() && a.mmproj.is_some() {
+        return Err(sdq::Error::invalid("--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
+    }
+    let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some(), split_max_bytes };
     let size = a.mmproj_size.as_deref().unwrap_or(genmodel::Projector::default_for(&opts.preset));
     genmodel::Projector::named(size, &spec)?; // before the text model is written
     let report = genmodel::generate(&spec, &opts)?;
@@ -417,8 +450,9 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() }, size)?;
         println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector, {size} tower) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
     }
+    let parts = if report.parts.len() > 1 { format!(", {} parts", report.parts.len()) } else { String::new() };
     println!(
-        "wrote {} ({} bytes, {} tensors, {} {} layers, {} experts top-{}) in {:.1} s",
+        "wrote {} ({} bytes{parts}, {} tensors, {} {} layers, {} experts top-{}) in {:.1} s",
         report.path.display(),
         report.bytes,
         report.tensors,

@@ -116,6 +116,13 @@ impl FillContext {
 /// position, are assembled from a pool of this many quantized rows.
 const POOL_ROWS: i64 = 16_384;
 
+/// Row-independent tensors of more elements than this with too few rows for
+/// that pool (DeepSeek-V3's attention output and dense FFN: 117–132 M weights
+/// each, which ggml's quantizers take seconds over) are assembled from a
+/// smaller pool of about `SMALL_POOL_ELEMS` elements.
+const LARGE_TENSOR_ELEMS: i64 = 32 << 20;
+const SMALL_POOL_ELEMS: i64 = 8 << 20;
+
 /// Writes tensors' bytes. Small tensors are generated and quantized directly;
 /// large row-independent ones (experts, embeddings, output) copy rows picked at
 /// random from a pool that ggml quantized once, because ggml's reference
@@ -137,19 +144,24 @@ impl<'a> TensorWriter<'a> {
         let seed = tensor_seed(self.spec.seed, &t.name);
         let rows: i64 = t.ne[1..].iter().product();
         let row_independent = !matches!(t.fill, Fill::Router { .. });
+        let small_pool = (SMALL_POOL_ELEMS / t.ne[0]).max(256);
         if row_independent && rows > 2 * POOL_ROWS {
-            self.write_pooled(t, seed, sink)
+            self.write_pooled(t, seed, POOL_ROWS, sink)
+        } else if row_independent && rows * t.ne[0] > LARGE_TENSOR_ELEMS && rows > 2 * small_pool {
+            self.write_pooled(t, seed, small_pool, sink)
         } else {
             write_direct(self.spec, t, seed, self.threads, sink)
         }
     }
 
-    fn write_pooled(&mut self, t: &PlannedTensor, seed: u64, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+    fn write_pooled(&mut self, t: &PlannedTensor, seed: u64, pool_rows: i64, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
         let n0 = t.ne[0];
         let row_bytes = t.ty.row_size(n0);
-        let key = format!("{}/{}/{:?}", t.ty.name(), n0, t.fill);
+        // The first pools' names are kept as they were, so that models
+        // generated before the small pools existed keep their bytes.
+        let key = if pool_rows == POOL_ROWS { format!("{}/{}/{:?}", t.ty.name(), n0, t.fill) } else { format!("{}/{}/{:?}/{pool_rows}", t.ty.name(), n0, t.fill) };
         if !self.pools.contains_key(&key) {
-            let pool_tensor = PlannedTensor { name: format!("sdq.pool.{key}"), ty: t.ty, ne: vec![n0, POOL_ROWS], fill: t.fill.clone() };
+            let pool_tensor = PlannedTensor { name: format!("sdq.pool.{key}"), ty: t.ty, ne: vec![n0, pool_rows], fill: t.fill.clone() };
             let mut pool = Vec::with_capacity(pool_tensor.nbytes() as usize);
             let pool_seed = tensor_seed(self.spec.seed, &pool_tensor.name);
             write_direct(self.spec, &pool_tensor, pool_seed, self.threads, &mut |b| {
@@ -168,7 +180,7 @@ impl<'a> TensorWriter<'a> {
             let mut rng = Rng::new(seed ^ (first as u64).wrapping_mul(0xD6E8_FEB8_6659_FD93));
             buf.clear();
             for _ in 0..nrows {
-                let r = (rng.next_u64() % POOL_ROWS as u64) as usize;
+                let r = (rng.next_u64() % pool_rows as u64) as usize;
                 buf.extend_from_slice(&pool[r * row_bytes..(r + 1) * row_bytes]);
             }
             sink(&buf)?;

@@ -21,7 +21,23 @@ const FTYPE_MOSTLY_Q4_K_M: u32 = 15;
 
 /// The vocabulary the generated models' tokenizer is copied from.
 pub fn default_vocab_file() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("vendor/llama.cpp/models/ggml-vocab-qwen35.gguf")
+    vendored_vocab("qwen35")
+}
+
+/// The vendored tokenizer a model of `n_vocab` tokens takes: Qwen3.5's
+/// (151,936 tokens) where it fits, else DeepSeek LLM's (102,400; DeepSeek-V3
+/// has 129,280), padded with unused tokens in either case.
+pub fn vocab_file_for(n_vocab: usize) -> PathBuf {
+    const QWEN35_TOKENS: usize = 151_936;
+    if n_vocab >= QWEN35_TOKENS {
+        default_vocab_file()
+    } else {
+        vendored_vocab("deepseek-llm")
+    }
+}
+
+fn vendored_vocab(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join(format!("vendor/llama.cpp/models/ggml-vocab-{name}.gguf"))
 }
 
 /// Where and how to write.
@@ -38,12 +54,17 @@ pub struct GenOptions {
     /// Give the first four padding tokens MiniCPM-V's image tokens
     /// (`IMAGE_TOKENS`), which a projector's template needs.
     pub image_tokens: bool,
+    /// Write parts of at most this many tensor bytes (`--split-max-size`).
+    pub split_max_bytes: Option<u64>,
 }
 
 /// What was written.
 #[derive(Clone, Debug)]
 pub struct GenReport {
+    /// The file to give llama.cpp: the first part of a split model.
     pub path: PathBuf,
+    /// Every file written, in order.
+    pub parts: Vec<PathBuf>,
     pub bytes: u64,
     pub tensors: usize,
     pub seconds: f64,
@@ -68,49 +89,126 @@ pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions, size: &str) -> Resul
     write_file(spec, &plan, builder, opts)
 }
 
-/// Writes `plan`'s tensors after `builder`'s keys (filled as `spec`'s seed says).
+/// Writes `plan`'s tensors after `builder`'s keys (filled as `spec`'s seed
+/// says): one file, or with `opts.split_max_bytes` the parts
+/// `llama-gguf-split --split-max-size` would write (the keys in the first,
+/// `split.*` in each, a new part where the next tensor would pass the size).
 fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], mut builder: GgufBuilder, opts: &GenOptions) -> Result<GenReport> {
     let start = Instant::now();
-    for t in plan {
-        builder.add_tensor(&t.name, t.ty, &t.ne);
+    let ranges = split_ranges(plan, opts.split_max_bytes);
+    let n_parts = ranges.len();
+    let mut parts: Vec<(PathBuf, GgufBuilder, &[PlannedTensor])> = Vec::with_capacity(n_parts);
+    for (i, range) in ranges.into_iter().enumerate() {
+        let mut b = if i == 0 { std::mem::replace(&mut builder, GgufBuilder::new(0)) } else { GgufBuilder::new(range.len()) };
+        if n_parts > 1 {
+            let count = u16::try_from(n_parts).map_err(|_| Error::invalid(format!("--split-max-size makes {n_parts} parts, more than a split can count (65,535)")))?;
+            b.set("split.no", &Value::U16(i as u16));
+            b.set("split.count", &Value::U16(count));
+            b.set("split.tensors.count", &Value::I32(plan.len() as i32));
+        }
+        let tensors = &plan[range];
+        for t in tensors {
+            b.add_tensor(&t.name, t.ty, &t.ne);
+        }
+        parts.push((part_path(&opts.out, i, n_parts), b, tensors));
     }
-    let meta = builder.meta_bytes();
-    let align = builder.alignment();
-    let data_bytes = builder.tensor_offset(plan.len() - 1) + padded(plan.last().unwrap().nbytes(), align);
-    let total = meta.len() as u64 + data_bytes;
-
-    let tmp = opts.out.with_extension("gguf.partial");
+    let sizes: Vec<u64> = parts.iter().map(|(_, b, t)| part_bytes(b, t)).collect();
+    let total: u64 = sizes.iter().sum();
     check_free_space(&opts.out, total)?;
+
+    let mut progress = Progress::new(total, opts.progress);
+    let mut writer = fill::TensorWriter::new(spec, opts.threads);
+    for ((path, b, tensors), size) in parts.iter().zip(&sizes) {
+        write_part(&mut writer, &mut progress, tensors, b, path, *size)?;
+    }
+    progress.finish();
+    Ok(GenReport {
+        path: parts[0].0.clone(),
+        parts: parts.iter().map(|p| p.0.clone()).collect(),
+        bytes: total,
+        tensors: plan.len(),
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}
+
+/// The tensors of each part: all in one without a limit; otherwise a new
+/// part wherever the next tensor's padded bytes would take the part's data
+/// past `max` (a tensor larger than `max` gets a part of its own).
+fn split_ranges(plan: &[PlannedTensor], max: Option<u64>) -> Vec<std::ops::Range<usize>> {
+    let Some(max) = max else { return vec![0..plan.len()] };
+    let mut ranges = Vec::new();
+    let (mut first, mut size) = (0, 0u64);
+    for (i, t) in plan.iter().enumerate() {
+        let n = padded(t.nbytes(), GGUF_ALIGNMENT);
+        if i > first && size + n > max {
+            ranges.push(first..i);
+            (first, size) = (i, 0);
+        }
+        size += n;
+    }
+    ranges.push(first..plan.len());
+    ranges
+}
+
+/// ggml's default GGUF alignment, which gguf-split also pads by.
+const GGUF_ALIGNMENT: u64 = 32;
+
+/// `llama_split_path`'s name for part `i` of `n`: `PREFIX-00001-of-00003.gguf`,
+/// the prefix being `out` without its `.gguf`; `out` itself when unsplit.
+pub fn part_path(out: &Path, i: usize, n: usize) -> PathBuf {
+    if n == 1 {
+        return out.to_path_buf();
+    }
+    let s = out.to_string_lossy();
+    let prefix = s.strip_suffix(".gguf").unwrap_or(&s);
+    PathBuf::from(format!("{prefix}-{:05}-of-{n:05}.gguf", i + 1))
+}
+
+fn part_bytes(b: &GgufBuilder, tensors: &[PlannedTensor]) -> u64 {
+    let data = match tensors.last() {
+        Some(last) => b.tensor_offset(tensors.len() - 1) + padded(last.nbytes(), b.alignment()),
+        None => 0,
+    };
+    b.meta_bytes().len() as u64 + data
+}
+
+/// Writes one file: `builder`'s metadata, then `tensors`' data at the
+/// offsets it planned, through a temporary file renamed at the end.
+fn write_part(
+    tensors_out: &mut fill::TensorWriter,
+    progress: &mut Progress,
+    plan: &[PlannedTensor],
+    builder: &GgufBuilder,
+    out: &Path,
+    total: u64,
+) -> Result<()> {
+    let meta = builder.meta_bytes();
+    let tmp = out.with_extension("gguf.partial");
     let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
     let mut w = BufWriter::with_capacity(8 << 20, file);
     let io = |e| Error::io("writing", &tmp, e);
     w.write_all(&meta).map_err(io)?;
-
-    let mut progress = Progress::new(total, opts.progress);
-    let mut tensors = fill::TensorWriter::new(spec, opts.threads);
     let mut pos = meta.len() as u64;
     for (i, t) in plan.iter().enumerate() {
         let at = meta.len() as u64 + builder.tensor_offset(i);
         assert!(at >= pos, "tensor {} at {at} overlaps the previous one ending at {pos}", t.name);
         w.write_all(&vec![0u8; (at - pos) as usize]).map_err(io)?;
-        tensors.write(t, &mut |chunk| {
-            progress.advance(chunk.len() as u64);
-            w.write_all(chunk)
-        })
-        .map_err(io)?;
+        tensors_out
+            .write(t, &mut |chunk| {
+                progress.advance(chunk.len() as u64);
+                w.write_all(chunk)
+            })
+            .map_err(io)?;
         pos = at + t.nbytes();
     }
-    w.write_all(&vec![0u8; (meta.len() as u64 + data_bytes - pos) as usize]).map_err(io)?;
+    w.write_all(&vec![0u8; (total - pos) as usize]).map_err(io)?;
     let mut file = w.into_inner().map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
     let written = file.stream_position().map_err(io)?;
     assert_eq!(written, total, "wrote {written} bytes, planned {total}");
     file.seek(SeekFrom::Start(0)).map_err(io)?;
     file.sync_all().map_err(io)?;
     drop(file);
-    progress.finish();
-    std::fs::rename(&tmp, &opts.out).map_err(|e| Error::io("cannot rename to", &opts.out, e))?;
-
-    Ok(GenReport { path: opts.out.clone(), bytes: total, tensors: plan.len(), seconds: start.elapsed().as_secs_f64() })
+    std::fs::rename(&tmp, out).map_err(|e| Error::io("cannot rename to", out, e))
 }
 
 /// Refuses before writing when the output's file system cannot hold the
@@ -342,5 +440,32 @@ impl Progress {
             self.draw();
             eprintln!();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parts_are_cut_where_the_next_tensor_would_pass_the_size() {
+        let spec = ModelSpec::preset("tiny").unwrap();
+        let plan = spec.plan();
+        assert_eq!(split_ranges(&plan, None), vec![0..plan.len()]);
+        let max = 3 << 20;
+        let ranges = split_ranges(&plan, Some(max));
+        assert!(ranges.len() > 2, "{ranges:?}");
+        assert_eq!(ranges.first().unwrap().start, 0);
+        assert_eq!(ranges.last().unwrap().end, plan.len());
+        for w in ranges.windows(2) {
+            assert_eq!(w[0].end, w[1].start);
+            let size = |r: &std::ops::Range<usize>| plan[r.clone()].iter().map(|t| padded(t.nbytes(), GGUF_ALIGNMENT)).sum::<u64>();
+            // Each part is within the size unless one tensor alone passes it,
+            // and the next part's first tensor would not have fitted.
+            assert!(size(&w[0]) <= max || w[0].len() == 1);
+            assert!(size(&w[0]) + padded(plan[w[1].start].nbytes(), GGUF_ALIGNMENT) > max);
+        }
+        assert_eq!(part_path(Path::new("m/a.gguf"), 0, 3), PathBuf::from("m/a-00001-of-00003.gguf"));
+        assert_eq!(part_path(Path::new("m/a.gguf"), 0, 1), PathBuf::from("m/a.gguf"));
     }
 }

@@ -309,11 +309,16 @@ pub struct ModelSpec {
 }
 
 /// Named geometries.
-pub const PRESETS: &[&str] = &["tiny", "35b-a3b"];
+pub const PRESETS: &[&str] = &["tiny", "35b-a3b", "gpt-oss-120b", "gpt-oss-20b", "deepseek-v3"];
 
 impl ModelSpec {
-    /// A named preset: `tiny` (tens of MB, for tests) or `35b-a3b` (the
-    /// geometry of Qwen3.5-35B-A3B / MiniCPM-V-4.7-35B-A3B).
+    /// A named preset: `tiny` (tens of MB, for tests), `35b-a3b` (the
+    /// geometry of Qwen3.5-35B-A3B / MiniCPM-V-4.7-35B-A3B), or the real
+    /// geometries of models people run far past RAM: `gpt-oss-120b` and
+    /// `gpt-oss-20b` (MXFP4 experts, as OpenAI ships them) and `deepseek-v3`
+    /// (also DeepSeek-R1's and V3.1's geometry). The figures are the models'
+    /// published configurations (`config.json` of openai/gpt-oss-120b,
+    /// openai/gpt-oss-20b and deepseek-ai/DeepSeek-V3).
     pub fn preset(name: &str) -> Result<ModelSpec> {
         let tiny = ModelSpec {
             arch: Arch::Qwen35Moe,
@@ -366,8 +371,60 @@ impl ModelSpec {
                 context_length: 262_144,
                 ..tiny
             }),
+            "gpt-oss-120b" | "gpt-oss-20b" => {
+                let mut s = tiny;
+                s.set_arch(Arch::GptOss);
+                let (layers, experts) = if name == "gpt-oss-120b" { (36, 128) } else { (24, 32) };
+                Ok(ModelSpec {
+                    n_layer: layers,
+                    n_embd: 2880,
+                    n_head: 64,
+                    n_head_kv: 8,
+                    head_dim: 64,
+                    n_expert: experts,
+                    n_expert_used: 4,
+                    n_ff_exp: 2880,
+                    // o200k_harmony's 201,088 tokens (the rest of the tokenizer's padding).
+                    n_vocab: 201_088,
+                    sliding_window: 128,
+                    context_length: 131_072,
+                    expert_type: Some(GgmlType::MXFP4),
+                    ..s
+                })
+            }
+            "deepseek-v3" => {
+                let mut s = tiny;
+                s.set_arch(Arch::DeepSeek2);
+                Ok(ModelSpec {
+                    n_layer: 61,
+                    n_embd: 7168,
+                    n_head: 128,
+                    // qk_nope 128 + qk_rope 64; values of 128.
+                    head_dim: 192,
+                    n_expert: 256,
+                    n_expert_used: 8,
+                    n_ff_exp: 2048,
+                    n_ff_dense: 18_432,
+                    n_expert_shared: 1,
+                    n_layer_dense_lead: 3,
+                    expert_groups: 8,
+                    expert_groups_used: 4,
+                    q_lora_rank: 1536,
+                    kv_lora_rank: 512,
+                    n_vocab: 129_280,
+                    context_length: 163_840,
+                    ..s
+                })
+            }
             other => Err(Error::invalid(format!("unknown preset '{other}' (known: {})", PRESETS.join(", ")))),
         }
+    }
+
+    /// True for the presets that are one real model's geometry (their
+    /// architecture is part of them), false for the starting points
+    /// `tiny` and `35b-a3b` that `--arch` turns into any family.
+    pub fn preset_is_a_model(name: &str) -> bool {
+        matches!(name, "gpt-oss-120b" | "gpt-oss-20b" | "deepseek-v3")
     }
 
     pub fn family(&self) -> &'static Family {
@@ -618,11 +675,13 @@ impl PlannedTensor {
     }
 }
 
-/// Q4_K_M's choice for a quantized weight with rows of `n`: the K-quant if the
-/// row fits its 256-element blocks, else Q8_0 (32-element blocks).
-fn kquant_or_fallback(k: GgmlType, n: i64) -> GgmlType {
-    if n % 256 == 0 {
-        k
+/// The type a quantized weight with rows of `n` gets: `ty` if the row fits
+/// its blocks (a K-quant's 256 elements, MXFP4's or Q8_0's 32), else Q8_0, as
+/// Q4_K_M falls back where a K-quant does not fit. An explicit expert type
+/// whose blocks do not fit is refused by `validate`, never replaced.
+fn kquant_or_fallback(ty: GgmlType, n: i64) -> GgmlType {
+    if n % ty.block_size() == 0 {
+        ty
     } else {
         GgmlType::Q8_0
     }
@@ -814,6 +873,46 @@ mod tests {
         let per_expert = |il: u32| bytes_where(&plan, |n| n.starts_with(&format!("blk.{il}.")) && n.ends_with("_exps.weight")) / 256;
         assert_eq!((per_expert(0), per_expert(5)), (2_039_808, 1_769_472));
         assert_eq!((0..40).filter(|&il| !spec.is_recurrent(il)).count(), 10);
+    }
+
+    /// gpt-oss-120b as OpenAI ships it: MXFP4 experts at its full width (rows
+    /// of 2880, which no K-quant fits), 36 × 128 experts of 13.2 MB.
+    #[test]
+    fn gpt_oss_120b_has_mxfp4_experts_at_full_width() {
+        let spec = ModelSpec::preset("gpt-oss-120b").unwrap();
+        spec.validate().unwrap();
+        let plan = spec.plan();
+        let experts: Vec<&PlannedTensor> = plan.iter().filter(|t| t.name.ends_with("_exps.weight")).collect();
+        assert_eq!(experts.len(), 36 * 3);
+        assert!(experts.iter().all(|t| t.ty == GgmlType::MXFP4), "{:?}", experts.iter().map(|t| t.ty.name()).collect::<Vec<_>>());
+        // 90 blocks of 17 bytes per row of 2880.
+        assert_eq!(bytes_where(&plan, |n| n.ends_with("_exps.weight")), 3 * 36 * 128 * 2880 * 1530);
+        assert_eq!(bytes_where(&plan, |n| n.starts_with("blk.0.") && n.ends_with("_exps.weight")) / 128, 13_219_200);
+        assert!(plan.iter().any(|t| t.name == "blk.35.attn_sinks.weight"));
+        assert_eq!((0..36).filter(|&il| spec.is_swa(il)).count(), 18);
+        let embd = plan.iter().find(|t| t.name == "token_embd.weight").unwrap();
+        assert_eq!(embd.ne, vec![2880, 201_088]);
+    }
+
+    /// DeepSeek-V3's geometry: 3 dense layers of 18,432, then 58 of 256
+    /// experts of 2048 in 8 groups, MLA with ranks 1536/512.
+    #[test]
+    fn deepseek_v3_is_valid_and_takes_low_bit_experts() {
+        let spec = ModelSpec::preset("deepseek-v3").unwrap();
+        spec.validate().unwrap();
+        assert_eq!((spec.n_layer, spec.n_layer_dense_lead, spec.rope_dim(), spec.mla_value_dim()), (61, 3, 64, 128));
+        let plan = spec.plan();
+        assert!(plan.iter().any(|t| t.name == "blk.2.ffn_down.weight" && t.ne == vec![18_432, 7168]));
+        assert!(!plan.iter().any(|t| t.name == "blk.2.ffn_gate_exps.weight"));
+        let gate = plan.iter().find(|t| t.name == "blk.3.ffn_gate_exps.weight").unwrap();
+        assert_eq!((gate.ty, gate.ne.clone()), (GgmlType::Q4_K, vec![7168, 2048, 256]));
+        for t in ["q2_K", "q3_K", "q4_K"] {
+            let mut s = spec.clone();
+            s.expert_type = GgmlType::from_name(t);
+            s.validate().unwrap();
+            let ty = s.plan().into_iter().find(|p| p.name == "blk.60.ffn_down_exps.weight").unwrap().ty;
+            assert_eq!(ty.name(), t);
+        }
     }
 
     #[test]
