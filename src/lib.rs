@@ -25,6 +25,7 @@ pub mod limit;
 pub mod moe;
 pub mod options;
 pub mod pager;
+pub mod phases;
 pub mod preflight;
 pub mod pressure;
 pub mod replay;

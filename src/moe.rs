@@ -507,6 +507,7 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     });
     if op.ends_step && ith == 0 {
         pager.step_ended();
+        rt.step_ended();
     }
 }
 
@@ -602,6 +603,7 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     });
     if op.ends_step && ith == 0 {
         pager.step_ended();
+        rt.step_ended();
     }
 }
 

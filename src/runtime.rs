@@ -10,6 +10,7 @@ use crate::options::Options;
 use crate::pager::io::ExpertReader;
 use crate::pager::layout::{Layout, Part, PagedTensor};
 use crate::pager::Pager;
+use crate::phases::PhaseClock;
 use crate::hotset::{HotExpert, HotSet};
 use crate::trace::{Phase, Recorder};
 use std::collections::{BTreeMap, BTreeSet};
@@ -68,6 +69,8 @@ pub struct Runtime {
     pager: OnceLock<(Pager, ArenaPlan)>,
     tokens_prompt: AtomicU64,
     tokens_generated: AtomicU64,
+    /// Each step's time and bytes read, by phase (prompt or decode).
+    phases: Mutex<PhaseClock>,
     peak_rss_anon: AtomicU64,
     max_swap: AtomicU64,
     finished: AtomicBool,
@@ -102,6 +105,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         pager: OnceLock::new(),
         tokens_prompt: AtomicU64::new(0),
         tokens_generated: AtomicU64::new(0),
+        phases: Mutex::new(PhaseClock::default()),
         peak_rss_anon: AtomicU64::new(0),
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
@@ -438,10 +442,22 @@ impl Runtime {
         }
     }
 
-    /// Counts the tokens of one batch (called once per batch).
+    /// Counts the tokens of one batch (called once per batch, at its first
+    /// paged layer), which starts that step's clock.
     pub fn count_tokens(&self, n: u64) {
         let counter = if n > 1 { &self.tokens_prompt } else { &self.tokens_generated };
         counter.fetch_add(n, Ordering::Relaxed);
+        let bytes = self.pager.get().map_or(0, |(p, _)| p.bytes_read());
+        self.lock_phases().step_started(n, bytes, Instant::now());
+    }
+
+    /// The batch's last paged layer is computed.
+    pub fn step_ended(&self) {
+        self.lock_phases().step_ended(Instant::now());
+    }
+
+    fn lock_phases(&self) -> std::sync::MutexGuard<'_, PhaseClock> {
+        self.phases.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Fits the arena to the room the process has now (see `pressure`),
@@ -677,7 +693,11 @@ impl Runtime {
                 "miss_batch_mib_per_s".into(),
                 json!(if c.miss_batch_seconds > 0.0 { c.miss_batch_bytes as f64 / budget::MIB as f64 / c.miss_batch_seconds } else { 0.0 }),
             );
+            // Prompt and decode mixed; the phases apart are `prompt` and `decode`.
             o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
+            let (prompt, decode) = self.lock_phases().totals(c.bytes_read, Instant::now());
+            o.insert("prompt".into(), prompt.to_json());
+            o.insert("decode".into(), decode.to_json());
             o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));
         }
         v

@@ -712,6 +712,11 @@ impl Pager {
         arena.classes().iter().zip(in_use).map(|(c, &n)| (c.slot_bytes * n) as u64).sum()
     }
 
+    /// Expert bytes read so far (cheaper than `counts`).
+    pub fn bytes_read(&self) -> u64 {
+        self.shared.lock().bytes_read
+    }
+
     /// Counts so far.
     pub fn counts(&self) -> PagerCounts {
         let st = self.shared.lock();

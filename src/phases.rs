@@ -1,0 +1,122 @@
+//! The prompt's and the decode's figures apart: each step's wall time and
+//! the expert bytes read while it ran, summed by phase, so one run's stats
+//! give a decode's MiB per token and tok/s without the prompt mixed in.
+//!
+//! A step is one `llama_decode` batch, from its first paged layer to the
+//! next step's first paged layer (what a tool's own timings count, less the
+//! layers before the first MoE layer). A step of more than one token is
+//! prompt; of one, decode. When more than `IDLE` passes between a step's
+//! last paged layer and the next step (a server waiting for a request), the
+//! step is closed at its last paged layer instead, so idle time is not
+//! counted as decoding.
+
+use std::time::{Duration, Instant};
+
+/// A gap between steps longer than this is idle, not part of the step.
+const IDLE: Duration = Duration::from_secs(1);
+
+/// One phase's totals.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PhaseTotals {
+    pub steps: u64,
+    pub tokens: u64,
+    pub bytes_read: u64,
+    pub seconds: f64,
+}
+
+impl PhaseTotals {
+    pub fn to_json(&self) -> serde_json::Value {
+        const MIB: f64 = (1u64 << 20) as f64;
+        serde_json::json!({
+            "steps": self.steps,
+            "tokens": self.tokens,
+            "bytes_read": self.bytes_read,
+            "seconds": self.seconds,
+            "mib_read_per_token": if self.tokens > 0 { self.bytes_read as f64 / MIB / self.tokens as f64 } else { 0.0 },
+            "tokens_per_second": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
+            "mib_read_per_second": if self.seconds > 0.0 { self.bytes_read as f64 / MIB / self.seconds } else { 0.0 },
+        })
+    }
+}
+
+/// The step being timed.
+#[derive(Clone, Copy, Debug)]
+struct Open {
+    decode: bool,
+    tokens: u64,
+    started: Instant,
+    bytes_at_start: u64,
+    /// When its last paged layer finished, if it has.
+    ended: Option<Instant>,
+}
+
+/// Steps timed and summed by phase.
+#[derive(Debug, Default)]
+pub struct PhaseClock {
+    open: Option<Open>,
+    pub prompt: PhaseTotals,
+    pub decode: PhaseTotals,
+}
+
+impl PhaseClock {
+    /// A step of `tokens` tokens starts at `now`, with `bytes_read` expert
+    /// bytes read so far; the step before it is closed.
+    pub fn step_started(&mut self, tokens: u64, bytes_read: u64, now: Instant) {
+        self.close(bytes_read, now);
+        self.open = Some(Open { decode: tokens == 1, tokens, started: now, bytes_at_start: bytes_read, ended: None });
+    }
+
+    /// The open step's last paged layer finished at `now`.
+    pub fn step_ended(&mut self, now: Instant) {
+        if let Some(open) = &mut self.open {
+            open.ended = Some(now);
+        }
+    }
+
+    /// Closes the open step (at exit: at its last paged layer, or `now`).
+    pub fn close(&mut self, bytes_read: u64, now: Instant) {
+        let Some(open) = self.open.take() else { return };
+        let end = match open.ended {
+            Some(ended) if now.saturating_duration_since(ended) > IDLE => ended,
+            _ => now,
+        };
+        let t = if open.decode { &mut self.decode } else { &mut self.prompt };
+        t.steps += 1;
+        t.tokens += open.tokens;
+        t.bytes_read += bytes_read.saturating_sub(open.bytes_at_start);
+        t.seconds += end.saturating_duration_since(open.started).as_secs_f64();
+    }
+
+    /// The totals with the open step counted as if it closed at `now`.
+    pub fn totals(&self, bytes_read: u64, now: Instant) -> (PhaseTotals, PhaseTotals) {
+        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode };
+        c.close(bytes_read, now);
+        (c.prompt, c.decode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn steps_are_summed_by_phase_and_idle_gaps_left_out() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut c = PhaseClock::default();
+        c.step_started(512, 0, at(0)); // a prompt ubatch
+        c.step_ended(at(900));
+        c.step_started(1, 1000, at(1000)); // decode: the prompt took 1 s
+        c.step_ended(at(1100));
+        c.step_started(1, 1500, at(1200));
+        c.step_ended(at(1300));
+        // Then the server waits 5 s for its next request.
+        c.step_started(7, 1600, at(6300));
+        let (prompt, decode) = c.totals(1700, at(6400));
+        assert_eq!((prompt.steps, prompt.tokens, prompt.bytes_read), (2, 519, 1100));
+        assert!((prompt.seconds - 1.1).abs() < 1e-9, "{prompt:?}");
+        assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
+        // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.
+        assert!((decode.seconds - 0.3).abs() < 1e-9, "{decode:?}");
+    }
+}
