@@ -24,7 +24,7 @@ const SKIP_TOP_LEVEL: &[&str] = &[
 /// The upstream tools the Cargo binaries run (entry shims in shim/tools/).
 const TOOLS: &[&str] = &[
     "cli", "completion", "server", "bench", "batched-bench", "perplexity", "quantize", "gguf-split", "imatrix",
-    "tokenize", "mtmd-cli",
+    "tokenize", "mtmd-cli", "test-llama-archs",
 ];
 
 /// The headers bindgen reads.
@@ -255,6 +255,11 @@ fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path) -> PathBuf {
     let dest = out.join("llama.cpp");
     let _ = fs::remove_dir_all(&stage);
     copy_tree(vendor, &stage, true);
+    // Of upstream's tests, only the architecture writer is built (shim/CMakeLists.txt).
+    let tests = stage.join("tests");
+    fs::create_dir_all(&tests).unwrap_or_else(|e| fail(&format!("mkdir {}: {e}", tests.display())));
+    fs::copy(vendor.join("tests/test-llama-archs.cpp"), tests.join("test-llama-archs.cpp"))
+        .unwrap_or_else(|e| fail(&format!("copy test-llama-archs.cpp: {e}")));
 
     let mut patches: Vec<PathBuf> = fs::read_dir(root.join("patches"))
         .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())

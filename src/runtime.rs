@@ -481,9 +481,14 @@ impl Runtime {
 
     /// Writes the stats file (if asked for) and, with `summary`, the summary
     /// line on stderr; once.
-    pub fn finish(&self, summary: bool) {
+    ///
+    /// Returns false if the budget was not honoured and nothing else said
+    /// so: no expert was ever paged (the model's graph uses none of its
+    /// expert tensors), so no arena was fitted to the budget, and the
+    /// process held more than it; the error line is printed here.
+    pub fn finish(&self, summary: bool) -> bool {
         if self.finished.swap(true, Ordering::SeqCst) {
-            return;
+            return true;
         }
         self.sample_memory();
         if let Some(trace) = &self.trace {
@@ -497,6 +502,17 @@ impl Runtime {
         if summary {
             eprintln!("{}", self.summary_line());
         }
+        let peak = self.peak_rss_anon.load(Ordering::Relaxed);
+        if self.pager.get().is_none() && peak > self.budget {
+            eprintln!(
+                "sdq: error: RAM budget {} was not honoured: the process held {} of anonymous memory, and no routed expert was paged (the model's graph uses none of its expert tensors), so nothing could be kept out of memory; the budget must be at least {}",
+                human(self.budget),
+                human(peak),
+                human(peak)
+            );
+            return false;
+        }
+        true
     }
 
     /// Writes the stats file, if one was asked for. A regular file (or a new

@@ -29,6 +29,7 @@ pub mod entry {
         pub fn sdq_tool_imatrix(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_tokenize(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_mtmd_cli(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_test_llama_archs(argc: c_int, argv: *mut *mut c_char) -> c_int;
     }
 }
 
@@ -37,9 +38,12 @@ extern "C" fn print_sdq_help() {
 }
 
 extern "C" fn finish_runtime() {
-    if let Some(rt) = runtime::get() {
-        rt.finish(true);
-    }
+    finish_runtime_checked();
+}
+
+/// Finishes the runtime; false if the budget was not honoured (see `Runtime::finish`).
+fn finish_runtime_checked() -> bool {
+    runtime::get().is_none_or(|rt| rt.finish(true))
 }
 
 /// The models named by `-m`/`--model` (or `LLAMA_ARG_MODEL`); llama-bench
@@ -203,7 +207,8 @@ pub fn run(entry: Entry) -> ! {
     // outlive the call (`args` lives until exit); the shim catches C++
     // exceptions, so nothing unwinds into Rust.
     let code = unsafe { entry(argc, argv.as_mut_ptr()) };
-    finish_runtime();
+    let honoured = finish_runtime_checked();
+    let code = if code == 0 && !honoured { 1 } else { code };
     // exit() runs atexit handlers and flushes stdio, as returning from main does.
     std::process::exit(code)
 }

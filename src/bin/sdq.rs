@@ -512,10 +512,9 @@ fn main() -> ExitCode {
             Err(e) => Err(e),
         },
     };
-    if let Some(rt) = sdq::runtime::get() {
-        rt.finish(true);
-    }
+    let honoured = sdq::runtime::get().is_none_or(|rt| rt.finish(true));
     match result {
+        Ok(()) if !honoured => ExitCode::FAILURE,
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("sdq: error: {e}");

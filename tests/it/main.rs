@@ -1,5 +1,6 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
+mod archs;
 mod badinput;
 mod families;
 mod faults;
