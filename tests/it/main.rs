@@ -3,6 +3,7 @@
 mod archs;
 mod badinput;
 mod families;
+mod far;
 mod faults;
 mod genmodel;
 mod inspect;

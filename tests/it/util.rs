@@ -40,6 +40,11 @@ impl TempModel {
     pub fn generate(name: &str, args: &[&str]) -> TempModel {
         TempModel(gen_model(name, args))
     }
+
+    /// A file written otherwise (a part of a split model), deleted at drop.
+    pub fn adopt(path: PathBuf) -> TempModel {
+        TempModel(path)
+    }
 }
 
 impl std::ops::Deref for TempModel {

@@ -1,0 +1,94 @@
+//! The geometries people run far past RAM, at full width and cut in depth:
+//! gpt-oss-120b (128 MXFP4 experts of 13.2 MB per layer, a 201k vocabulary)
+//! and DeepSeek-V3 (256 experts of 7168 × 2048, MLA, a dense leading layer),
+//! the latter in split parts as such models ship. Under a budget each gives
+//! stock's greedy tokens and logits with the same flags, and a budget below
+//! one layer's top-k is one line naming the minimum.
+
+use crate::pager::{budget_for, eval, max_abs_diff, MIB};
+use crate::util::*;
+use sdq::gguf::Gguf;
+use std::path::Path;
+use std::process::Command;
+
+/// Stock against the pager at the tightest arena (+1 MiB) and at a third of
+/// the experts, with defaults and `--no-repack`.
+fn check_against_stock(model: &Path, tag: &str, experts_per_layer: u64) {
+    let prompt = "The river ran past the old mill, under the stone bridge where children watched";
+    // The compute buffers' pages are touched after the arena is planned (at
+    // the first paged layer): 6 MiB more for gpt-oss, 19 MiB for DeepSeek's
+    // 128 heads at -c 512. The reserve is what covers that growth.
+    let reserve = 64 * MIB;
+    for (flags, extra) in [("defaults", &[][..]), ("no-repack", &["--no-repack"][..])] {
+        let base = [&["-p", prompt, "-n", "12", "-t", "2", "-c", "512"][..], extra].concat();
+        let stock = eval(model, &format!("{tag}-stock-{flags}"), &base);
+        let probe = eval(model, &format!("{tag}-probe-{flags}"), &[&base[..], &["--ram-budget", "20G", "--sdq-reserve", "64M"]].concat());
+        let stats = probe.stats.unwrap();
+        let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
+        let classes = stats["slot_classes"].as_array().unwrap().clone();
+        let all: u64 = classes.iter().map(|c| slot(c) * experts_per_layer * u(c, "layers")).sum();
+        let min: u64 = classes.iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        for (name, arena) in [("minimum", min + MIB), ("third", all / 3)] {
+            let budget = budget_for(&stats, reserve, arena);
+            let what = format!("{tag}: {name} arena, {flags}");
+            let run = eval(model, &format!("{tag}-{name}-{flags}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat());
+            assert_eq!(run.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
+            assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{what}: logits differ");
+            let s = run.stats.unwrap();
+            assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
+            assert!(u(&s, "misses") > 0, "{what}: an arena smaller than the experts must miss: {s}");
+            assert_eq!(s["vm_swap_bytes"].as_u64(), Some(0), "{what}: swapped");
+        }
+        if flags == "defaults" {
+            // 1 MiB less than one layer's top-k: refused before the first token.
+            let budget = budget_for(&stats, reserve, min - MIB);
+            let o = run(
+                Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap()]).args(&base).args(["--ram-budget", &budget, "--sdq-reserve", "64M"]),
+                300,
+            );
+            let err = stderr(&o);
+            assert_eq!(o.status.code(), Some(1), "{tag}: a budget under the minimum: {err}");
+            let line = err.lines().find(|l| l.contains("is too small")).unwrap_or_else(|| panic!("{tag}: no one-line error:\n{err}"));
+            assert!(line.contains("the minimum budget is") && line.contains(&format!("top-{}", u(&stats, "top_k"))), "{tag}: {line}");
+            assert!(!err.contains("panicked"), "{tag}: {err}");
+        }
+    }
+}
+
+#[test]
+fn gpt_oss_120b_at_full_width_answers_as_stock() {
+    let model = TempModel::generate("far-gpt-oss-120b-2l.gguf", &["--preset", "gpt-oss-120b", "--layers", "2"]);
+    let g = Gguf::open(&model).unwrap();
+    let experts: Vec<_> = g.tensors().into_iter().filter(|t| t.name.ends_with("_exps.weight")).collect();
+    assert_eq!(experts.len(), 6);
+    for t in &experts {
+        assert_eq!(t.ty.name(), "mxfp4", "{}: gpt-oss ships MXFP4 experts", t.name);
+        assert_eq!(t.ne[..3], [2880, 2880, 128], "{}", t.name);
+    }
+    check_against_stock(&model, "gpt-oss-120b", 128);
+}
+
+#[test]
+fn deepseek_v3_at_full_width_in_split_parts_answers_as_stock() {
+    // One dense layer and two of 256 experts at Q2_K (3.7 GB each), in parts
+    // of at most 3 GB of tensors.
+    let args = ["--preset", "deepseek-v3", "--layers", "3", "--dense-layers", "1", "--expert-type", "q2_K", "--split-max-size", "3G"];
+    gen_model("far-deepseek-v3-3l.gguf", &args);
+    let parts: Vec<TempModel> = (1..=4)
+        .map(|i| scratch().join(format!("far-deepseek-v3-3l-{i:05}-of-00004.gguf")))
+        .inspect(|p| assert!(p.is_file(), "no part {}", p.display()))
+        .map(TempModel::adopt)
+        .collect();
+    assert!(!scratch().join("far-deepseek-v3-3l.gguf").exists(), "a split model is written in parts only");
+    let first = &parts[0];
+    let mut tensors = 0;
+    for (i, p) in parts.iter().enumerate() {
+        let g = Gguf::open(p).unwrap();
+        assert_eq!(g.get("split.no").and_then(|v| v.as_u64()), Some(i as u64));
+        assert_eq!(g.get("split.count").and_then(|v| v.as_u64()), Some(4));
+        assert_eq!(g.get("general.architecture").is_some(), i == 0, "only the first part carries the model's keys");
+        tensors += g.tensors().len() as u64;
+    }
+    assert_eq!(Gguf::open(first).unwrap().get("split.tensors.count").and_then(|v| v.as_u64()), Some(tensors));
+    check_against_stock(first, "deepseek-v3", 256);
+}
