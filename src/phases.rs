@@ -21,7 +21,18 @@ pub struct PhaseTotals {
     pub steps: u64,
     pub tokens: u64,
     pub bytes_read: u64,
+    /// Expert uses that found the expert held, and those that read it.
+    pub hits: u64,
+    pub misses: u64,
     pub seconds: f64,
+}
+
+/// The pager's running totals, read at a step's start and end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagerTotals {
+    pub bytes_read: u64,
+    pub hits: u64,
+    pub misses: u64,
 }
 
 impl PhaseTotals {
@@ -31,6 +42,9 @@ impl PhaseTotals {
             "steps": self.steps,
             "tokens": self.tokens,
             "bytes_read": self.bytes_read,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_rate": if self.hits + self.misses > 0 { self.hits as f64 / (self.hits + self.misses) as f64 } else { 0.0 },
             "seconds": self.seconds,
             "mib_read_per_token": if self.tokens > 0 { self.bytes_read as f64 / MIB / self.tokens as f64 } else { 0.0 },
             "tokens_per_second": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
@@ -45,7 +59,7 @@ struct Open {
     decode: bool,
     tokens: u64,
     started: Instant,
-    bytes_at_start: u64,
+    at_start: PagerTotals,
     /// When its last paged layer finished, if it has.
     ended: Option<Instant>,
 }
@@ -59,11 +73,11 @@ pub struct PhaseClock {
 }
 
 impl PhaseClock {
-    /// A step of `tokens` tokens starts at `now`, with `bytes_read` expert
-    /// bytes read so far; the step before it is closed.
-    pub fn step_started(&mut self, tokens: u64, bytes_read: u64, now: Instant) {
-        self.close(bytes_read, now);
-        self.open = Some(Open { decode: tokens == 1, tokens, started: now, bytes_at_start: bytes_read, ended: None });
+    /// A step of `tokens` tokens starts at `now`, with the pager's totals so
+    /// far `pager`; the step before it is closed.
+    pub fn step_started(&mut self, tokens: u64, pager: PagerTotals, now: Instant) {
+        self.close(pager, now);
+        self.open = Some(Open { decode: tokens == 1, tokens, started: now, at_start: pager, ended: None });
     }
 
     /// The open step's last paged layer finished at `now`.
@@ -74,7 +88,7 @@ impl PhaseClock {
     }
 
     /// Closes the open step (at exit: at its last paged layer, or `now`).
-    pub fn close(&mut self, bytes_read: u64, now: Instant) {
+    pub fn close(&mut self, pager: PagerTotals, now: Instant) {
         let Some(open) = self.open.take() else { return };
         let end = match open.ended {
             Some(ended) if now.saturating_duration_since(ended) > IDLE => ended,
@@ -83,14 +97,16 @@ impl PhaseClock {
         let t = if open.decode { &mut self.decode } else { &mut self.prompt };
         t.steps += 1;
         t.tokens += open.tokens;
-        t.bytes_read += bytes_read.saturating_sub(open.bytes_at_start);
+        t.bytes_read += pager.bytes_read.saturating_sub(open.at_start.bytes_read);
+        t.hits += pager.hits.saturating_sub(open.at_start.hits);
+        t.misses += pager.misses.saturating_sub(open.at_start.misses);
         t.seconds += end.saturating_duration_since(open.started).as_secs_f64();
     }
 
     /// The totals with the open step counted as if it closed at `now`.
-    pub fn totals(&self, bytes_read: u64, now: Instant) -> (PhaseTotals, PhaseTotals) {
+    pub fn totals(&self, pager: PagerTotals, now: Instant) -> (PhaseTotals, PhaseTotals) {
         let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode };
-        c.close(bytes_read, now);
+        c.close(pager, now);
         (c.prompt, c.decode)
     }
 }
@@ -103,17 +119,19 @@ mod tests {
     fn steps_are_summed_by_phase_and_idle_gaps_left_out() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let p = |bytes_read, hits, misses| PagerTotals { bytes_read, hits, misses };
         let mut c = PhaseClock::default();
-        c.step_started(512, 0, at(0)); // a prompt ubatch
+        c.step_started(512, p(0, 0, 0), at(0)); // a prompt ubatch
         c.step_ended(at(900));
-        c.step_started(1, 1000, at(1000)); // decode: the prompt took 1 s
+        c.step_started(1, p(1000, 5, 10), at(1000)); // decode: the prompt took 1 s
         c.step_ended(at(1100));
-        c.step_started(1, 1500, at(1200));
+        c.step_started(1, p(1500, 9, 11), at(1200));
         c.step_ended(at(1300));
         // Then the server waits 5 s for its next request.
-        c.step_started(7, 1600, at(6300));
-        let (prompt, decode) = c.totals(1700, at(6400));
-        assert_eq!((prompt.steps, prompt.tokens, prompt.bytes_read), (2, 519, 1100));
+        c.step_started(7, p(1600, 12, 12), at(6300));
+        let (prompt, decode) = c.totals(p(1700, 13, 14), at(6400));
+        assert_eq!((prompt.steps, prompt.tokens, prompt.bytes_read, prompt.hits, prompt.misses), (2, 519, 1100, 6, 12));
+        assert_eq!((decode.hits, decode.misses), (7, 2));
         assert!((prompt.seconds - 1.1).abs() < 1e-9, "{prompt:?}");
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.

@@ -447,8 +447,8 @@ impl Runtime {
     pub fn count_tokens(&self, n: u64) {
         let counter = if n > 1 { &self.tokens_prompt } else { &self.tokens_generated };
         counter.fetch_add(n, Ordering::Relaxed);
-        let bytes = self.pager.get().map_or(0, |(p, _)| p.bytes_read());
-        self.lock_phases().step_started(n, bytes, Instant::now());
+        let totals = self.pager.get().map_or_else(Default::default, |(p, _)| p.totals());
+        self.lock_phases().step_started(n, totals, Instant::now());
     }
 
     /// The batch's last paged layer is computed.
@@ -711,7 +711,8 @@ impl Runtime {
             );
             // Prompt and decode mixed; the phases apart are `prompt` and `decode`.
             o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
-            let (prompt, decode) = self.lock_phases().totals(c.bytes_read, Instant::now());
+            let totals = crate::phases::PagerTotals { bytes_read: c.bytes_read, hits, misses };
+            let (prompt, decode) = self.lock_phases().totals(totals, Instant::now());
             o.insert("prompt".into(), prompt.to_json());
             o.insert("decode".into(), decode.to_json());
             o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));

@@ -712,9 +712,11 @@ impl Pager {
         arena.classes().iter().zip(in_use).map(|(c, &n)| (c.slot_bytes * n) as u64).sum()
     }
 
-    /// Expert bytes read so far (cheaper than `counts`).
-    pub fn bytes_read(&self) -> u64 {
-        self.shared.lock().bytes_read
+    /// Expert bytes read, hits and misses so far (cheaper than `counts`).
+    pub fn totals(&self) -> crate::phases::PagerTotals {
+        let st = self.shared.lock();
+        let (hits, misses) = st.counts.values().fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses));
+        crate::phases::PagerTotals { bytes_read: st.bytes_read, hits, misses }
     }
 
     /// Counts so far.
