@@ -130,6 +130,10 @@ fn bad_geometry_is_a_clear_error() {
         (&["--vocab", "1000"][..], "smaller than the tokenizer"),
         (&["--expert-type", "q9_9"][..], "unknown ggml type 'q9_9'"),
         (&["--router-skew", "-1"][..], "router skew -1 is outside 0..=16"),
+        (&["--preset", "gpt-oss-120b", "--arch", "qwen35moe"][..], "--arch qwen35moe conflicts with --preset gpt-oss-120b"),
+        (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers leave no MoE layer of 2"),
+        (&["--split-max-size", "0"][..], "--split-max-size: '0' is not a size"),
+        (&["--preset", "gpt-oss-120b", "--expert-type", "q4_K"][..], "expert rows of 2880 are not a multiple of q4_K's block of 256"),
     ] {
         let out = scratch().join("bad.gguf");
         let o = run(Command::new(bin("sdq")).arg("gen-model").args(args).arg("-o").arg(&out), 60);
@@ -159,4 +163,30 @@ fn a_disk_too_small_for_the_model_is_refused_before_writing() {
     assert!(err.contains(&format!("not enough free space for {}", out.display())) && err.contains("has 8.0 MiB free"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
     assert_eq!(String::from_utf8_lossy(&o.stdout).trim(), "", "gen-model left a file behind");
+}
+
+/// A model written in parts loads as the whole file does: same tokens.
+#[test]
+fn a_model_written_in_parts_runs_as_the_whole_file() {
+    let whole = TempModel::generate("parts-whole.gguf", &["--preset", "tiny", "--layers", "4", "--seed", "5"]);
+    let o = run(
+        Command::new(bin("sdq")).args(["gen-model", "--preset", "tiny", "--layers", "4", "--seed", "5", "--split-max-size", "20M", "-o"]).arg(scratch().join("parts.gguf")),
+        120,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let parts: Vec<TempModel> = std::fs::read_dir(scratch())
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("parts-0"))
+        .map(TempModel::adopt)
+        .collect();
+    assert!(parts.len() >= 3, "{} parts", parts.len());
+    let first = parts.iter().find(|p| p.to_string_lossy().contains("-00001-of-")).expect("a first part");
+    let tokens = |m: &std::path::Path| {
+        let o = run(Command::new(bin("sdq")).args(["eval", "-m", m.to_str().unwrap(), "-p", "The river ran", "-n", "8", "-c", "256"]), 120);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    assert_eq!(tokens(first), tokens(&whole));
 }
