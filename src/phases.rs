@@ -37,7 +37,7 @@ pub struct PagerTotals {
 
 impl PhaseTotals {
     pub fn to_json(&self) -> serde_json::Value {
-        const MIB: f64 = (1u64 << 20) as f64;
+        const MIB: f64 = crate::budget::MIB as f64;
         serde_json::json!({
             "steps": self.steps,
             "tokens": self.tokens,

@@ -10,7 +10,7 @@ use crate::options::Options;
 use crate::pager::io::ExpertReader;
 use crate::pager::layout::{Layout, Part, PagedTensor};
 use crate::pager::Pager;
-use crate::phases::PhaseClock;
+use crate::phases::{PagerTotals, PhaseClock, PhaseTotals};
 use crate::hotset::{HotExpert, HotSet};
 use crate::trace::{Phase, Recorder};
 use std::collections::{BTreeMap, BTreeSet};
@@ -67,9 +67,7 @@ pub struct Runtime {
     started: Instant,
     registry: Mutex<Registry>,
     pager: OnceLock<(Pager, ArenaPlan)>,
-    tokens_prompt: AtomicU64,
-    tokens_generated: AtomicU64,
-    /// Each step's time and bytes read, by phase (prompt or decode).
+    /// Each step's tokens, time and bytes read, by phase (prompt or decode).
     phases: Mutex<PhaseClock>,
     peak_rss_anon: AtomicU64,
     max_swap: AtomicU64,
@@ -103,8 +101,6 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         started: Instant::now(),
         registry: Mutex::new(Registry::default()),
         pager: OnceLock::new(),
-        tokens_prompt: AtomicU64::new(0),
-        tokens_generated: AtomicU64::new(0),
         phases: Mutex::new(PhaseClock::default()),
         peak_rss_anon: AtomicU64::new(0),
         max_swap: AtomicU64::new(0),
@@ -445,10 +441,18 @@ impl Runtime {
     /// Counts the tokens of one batch (called once per batch, at its first
     /// paged layer), which starts that step's clock.
     pub fn count_tokens(&self, n: u64) {
-        let counter = if n > 1 { &self.tokens_prompt } else { &self.tokens_generated };
-        counter.fetch_add(n, Ordering::Relaxed);
-        let totals = self.pager.get().map_or_else(Default::default, |(p, _)| p.totals());
+        let totals = self.pager_totals();
         self.lock_phases().step_started(n, totals, Instant::now());
+    }
+
+    fn pager_totals(&self) -> PagerTotals {
+        self.pager.get().map_or_else(Default::default, |(p, _)| p.totals())
+    }
+
+    /// The prompt's and the decode's totals so far, the open step included.
+    fn phase_totals(&self) -> (PhaseTotals, PhaseTotals) {
+        let totals = self.pager_totals();
+        self.lock_phases().totals(totals, Instant::now())
     }
 
     /// The batch's last paged layer is computed.
@@ -557,13 +561,13 @@ impl Runtime {
                 human(swap)
             ),
             Some((pager, _)) => {
-                let c = pager.counts();
-                let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));
-                let tokens = self.tokens_prompt.load(Ordering::Relaxed) + self.tokens_generated.load(Ordering::Relaxed);
+                let t = pager.totals();
+                let (prompt, decode) = self.phase_totals();
+                let tokens = prompt.tokens + decode.tokens;
                 format!(
                     "sdq: hit {:.1} % | {:.2} MiB read/token | peak anonymous RSS {} of {} budget | swap {}",
-                    100.0 * hits as f64 / (hits + misses).max(1) as f64,
-                    c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64,
+                    100.0 * t.hits as f64 / (t.hits + t.misses).max(1) as f64,
+                    t.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64,
                     human(peak),
                     human(self.budget),
                     human(swap)
@@ -575,8 +579,8 @@ impl Runtime {
     fn stats_json(&self) -> serde_json::Value {
         use serde_json::json;
         let files = self.lock_registry().files.clone();
-        let tokens_prompt = self.tokens_prompt.load(Ordering::Relaxed);
-        let tokens_generated = self.tokens_generated.load(Ordering::Relaxed);
+        let (prompt, decode) = self.phase_totals();
+        let (tokens_prompt, tokens_generated) = (prompt.tokens, decode.tokens);
         let tokens = tokens_prompt + tokens_generated;
         let mem = ProcMemory::read();
         let mut v = json!({
@@ -711,8 +715,6 @@ impl Runtime {
             );
             // Prompt and decode mixed; the phases apart are `prompt` and `decode`.
             o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
-            let totals = crate::phases::PagerTotals { bytes_read: c.bytes_read, hits, misses };
-            let (prompt, decode) = self.lock_phases().totals(totals, Instant::now());
             o.insert("prompt".into(), prompt.to_json());
             o.insert("decode".into(), decode.to_json());
             o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));
