@@ -93,15 +93,16 @@ pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions, size: &str) -> Resul
 /// says): one file, or with `opts.split_max_bytes` the parts
 /// `llama-gguf-split --split-max-size` would write (the keys in the first,
 /// `split.*` in each, a new part where the next tensor would pass the size).
-fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], mut builder: GgufBuilder, opts: &GenOptions) -> Result<GenReport> {
+fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], builder: GgufBuilder, opts: &GenOptions) -> Result<GenReport> {
     let start = Instant::now();
     let ranges = split_ranges(plan, opts.split_max_bytes);
     let n_parts = ranges.len();
-    let mut parts: Vec<(PathBuf, GgufBuilder, &[PlannedTensor])> = Vec::with_capacity(n_parts);
+    let count = u16::try_from(n_parts).map_err(|_| Error::invalid(format!("--split-max-size makes {n_parts} parts, more than a split can count (65,535)")))?;
+    let mut first = Some(builder);
+    let mut parts = Vec::with_capacity(n_parts);
     for (i, range) in ranges.into_iter().enumerate() {
-        let mut b = if i == 0 { std::mem::replace(&mut builder, GgufBuilder::new(0)) } else { GgufBuilder::new(range.len()) };
+        let mut b = first.take().unwrap_or_else(|| GgufBuilder::new(range.len()));
         if n_parts > 1 {
-            let count = u16::try_from(n_parts).map_err(|_| Error::invalid(format!("--split-max-size makes {n_parts} parts, more than a split can count (65,535)")))?;
             b.set("split.no", &Value::U16(i as u16));
             b.set("split.count", &Value::U16(count));
             b.set("split.tensors.count", &Value::I32(plan.len() as i32));
@@ -110,21 +111,20 @@ fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], mut builder: GgufBuilder
         for t in tensors {
             b.add_tensor(&t.name, t.ty, &t.ne);
         }
-        parts.push((part_path(&opts.out, i, n_parts), b, tensors));
+        parts.push(Part::new(part_path(&opts.out, i, n_parts), b, tensors));
     }
-    let sizes: Vec<u64> = parts.iter().map(|(_, b, t)| part_bytes(b, t)).collect();
-    let total: u64 = sizes.iter().sum();
+    let total: u64 = parts.iter().map(|p| p.size).sum();
     check_free_space(&opts.out, total)?;
 
     let mut progress = Progress::new(total, opts.progress);
     let mut writer = fill::TensorWriter::new(spec, opts.threads);
-    for ((path, b, tensors), size) in parts.iter().zip(&sizes) {
-        write_part(&mut writer, &mut progress, tensors, b, path, *size)?;
+    for part in &parts {
+        part.write(&mut writer, &mut progress)?;
     }
     progress.finish();
     Ok(GenReport {
-        path: parts[0].0.clone(),
-        parts: parts.iter().map(|p| p.0.clone()).collect(),
+        path: parts[0].path.clone(),
+        parts: parts.into_iter().map(|p| p.path).collect(),
         bytes: total,
         tensors: plan.len(),
         seconds: start.elapsed().as_secs_f64(),
@@ -164,51 +164,58 @@ pub fn part_path(out: &Path, i: usize, n: usize) -> PathBuf {
     PathBuf::from(format!("{prefix}-{:05}-of-{n:05}.gguf", i + 1))
 }
 
-fn part_bytes(b: &GgufBuilder, tensors: &[PlannedTensor]) -> u64 {
-    let data = match tensors.last() {
-        Some(last) => b.tensor_offset(tensors.len() - 1) + padded(last.nbytes(), b.alignment()),
-        None => 0,
-    };
-    b.meta_bytes().len() as u64 + data
+/// One file to write: its metadata, serialized once, and its tensors.
+struct Part<'a> {
+    path: PathBuf,
+    builder: GgufBuilder,
+    tensors: &'a [PlannedTensor],
+    meta: Vec<u8>,
+    /// The file's bytes: metadata, then the tensors' padded data.
+    size: u64,
 }
 
-/// Writes one file: `builder`'s metadata, then `tensors`' data at the
-/// offsets it planned, through a temporary file renamed at the end.
-fn write_part(
-    tensors_out: &mut fill::TensorWriter,
-    progress: &mut Progress,
-    plan: &[PlannedTensor],
-    builder: &GgufBuilder,
-    out: &Path,
-    total: u64,
-) -> Result<()> {
-    let meta = builder.meta_bytes();
-    let tmp = out.with_extension("gguf.partial");
-    let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
-    let mut w = BufWriter::with_capacity(8 << 20, file);
-    let io = |e| Error::io("writing", &tmp, e);
-    w.write_all(&meta).map_err(io)?;
-    let mut pos = meta.len() as u64;
-    for (i, t) in plan.iter().enumerate() {
-        let at = meta.len() as u64 + builder.tensor_offset(i);
-        assert!(at >= pos, "tensor {} at {at} overlaps the previous one ending at {pos}", t.name);
-        w.write_all(&vec![0u8; (at - pos) as usize]).map_err(io)?;
-        tensors_out
-            .write(t, &mut |chunk| {
-                progress.advance(chunk.len() as u64);
-                w.write_all(chunk)
-            })
-            .map_err(io)?;
-        pos = at + t.nbytes();
+impl<'a> Part<'a> {
+    fn new(path: PathBuf, builder: GgufBuilder, tensors: &'a [PlannedTensor]) -> Part<'a> {
+        let meta = builder.meta_bytes();
+        let data = match tensors.last() {
+            Some(last) => builder.tensor_offset(tensors.len() - 1) + padded(last.nbytes(), builder.alignment()),
+            None => 0,
+        };
+        let size = meta.len() as u64 + data;
+        Part { path, builder, tensors, meta, size }
     }
-    w.write_all(&vec![0u8; (total - pos) as usize]).map_err(io)?;
-    let mut file = w.into_inner().map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
-    let written = file.stream_position().map_err(io)?;
-    assert_eq!(written, total, "wrote {written} bytes, planned {total}");
-    file.seek(SeekFrom::Start(0)).map_err(io)?;
-    file.sync_all().map_err(io)?;
-    drop(file);
-    std::fs::rename(&tmp, out).map_err(|e| Error::io("cannot rename to", out, e))
+
+    /// Writes the metadata, then the tensors' data at the offsets the
+    /// builder planned, through a temporary file renamed at the end.
+    fn write(&self, tensors_out: &mut fill::TensorWriter, progress: &mut Progress) -> Result<()> {
+        let (meta, out) = (&self.meta, self.path.as_path());
+        let tmp = out.with_extension("gguf.partial");
+        let file = File::create(&tmp).map_err(|e| Error::io("cannot create", &tmp, e))?;
+        let mut w = BufWriter::with_capacity(8 << 20, file);
+        let io = |e| Error::io("writing", &tmp, e);
+        w.write_all(meta).map_err(io)?;
+        let mut pos = meta.len() as u64;
+        for (i, t) in self.tensors.iter().enumerate() {
+            let at = meta.len() as u64 + self.builder.tensor_offset(i);
+            assert!(at >= pos, "tensor {} at {at} overlaps the previous one ending at {pos}", t.name);
+            w.write_all(&vec![0u8; (at - pos) as usize]).map_err(io)?;
+            tensors_out
+                .write(t, &mut |chunk| {
+                    progress.advance(chunk.len() as u64);
+                    w.write_all(chunk)
+                })
+                .map_err(io)?;
+            pos = at + t.nbytes();
+        }
+        w.write_all(&vec![0u8; (self.size - pos) as usize]).map_err(io)?;
+        let mut file = w.into_inner().map_err(|e| Error::io("writing", &tmp, e.into_error()))?;
+        let written = file.stream_position().map_err(io)?;
+        assert_eq!(written, self.size, "wrote {written} bytes, planned {}", self.size);
+        file.seek(SeekFrom::Start(0)).map_err(io)?;
+        file.sync_all().map_err(io)?;
+        drop(file);
+        std::fs::rename(&tmp, out).map_err(|e| Error::io("cannot rename to", out, e))
+    }
 }
 
 /// Refuses before writing when the output's file system cannot hold the
