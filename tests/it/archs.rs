@@ -55,8 +55,7 @@ fn check(model: &std::path::Path) -> Result<bool, String> {
             continue; // checked below: a budget it exceeds is an error
         }
         paged = true;
-        let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-        let min: u64 = stats["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        let min = min_arena(&stats);
         for (name, extra_arena) in [("tightest+1M", MIB), ("tightest+64M", 64 * MIB)] {
             let budget = budget_for(&stats, reserve, min + extra_arena);
             let run = eval(model, &format!("arch-{arch}-{name}-{flags}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat());

@@ -59,10 +59,7 @@ fn check_family(case: &Case) {
         let probe = eval(&model, &format!("{}-probe-{flags}", case.name), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "16M"]].concat());
         let stats = probe.stats.unwrap();
         assert_eq!(paged_layers(&stats), case.paged_layers, "{}: paged layers: {stats}", case.name);
-        let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-        let classes = stats["slot_classes"].as_array().unwrap().clone();
-        let all: u64 = classes.iter().map(|c| slot(c) * case.experts * u(c, "layers")).sum();
-        let min: u64 = classes.iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        let (all, min) = (all_arena(&stats, case.experts), min_arena(&stats));
         // --no-repack is checked at the tightest arena only: the layouts are
         // the same code for every family, the families' graphs are not.
         let arenas: &[(&str, u64)] = if extra.is_empty() { &[("all", all), ("middle", all / 3), ("minimum", min + MIB)] } else { &[("minimum", min + MIB)] };

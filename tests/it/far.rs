@@ -24,10 +24,7 @@ fn check_against_stock(model: &Path, tag: &str, experts_per_layer: u64) {
         let stock = eval(model, &format!("{tag}-stock-{flags}"), &base);
         let probe = eval(model, &format!("{tag}-probe-{flags}"), &[&base[..], &["--ram-budget", "20G", "--sdq-reserve", "64M"]].concat());
         let stats = probe.stats.unwrap();
-        let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-        let classes = stats["slot_classes"].as_array().unwrap().clone();
-        let all: u64 = classes.iter().map(|c| slot(c) * experts_per_layer * u(c, "layers")).sum();
-        let min: u64 = classes.iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        let (all, min) = (all_arena(&stats, experts_per_layer), min_arena(&stats));
         for (name, arena) in [("minimum", min + MIB), ("third", all / 3)] {
             let budget = budget_for(&stats, reserve, arena);
             let what = format!("{tag}: {name} arena, {flags}");

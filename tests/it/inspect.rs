@@ -95,7 +95,7 @@ fn inspect_matches_live_runs_of_each_family() {
         let estimate = u(&r["budget"], "anonymous_after_load_estimate_bytes");
         assert!(estimate.abs_diff(measured) <= 12 * MIB, "{family}: estimate {} MiB, measured {} MiB", estimate / MIB, measured / MIB);
 
-        let min_arena: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "expert_bytes").div_ceil(4096) * 4096 * u(&s, "top_k")).sum();
+        let min_arena = min_arena(&s);
         let near_min = (measured + 16 * MIB + min_arena + 6 * MIB).to_string();
         let tight = live(&near_min);
         assert!(u(&tight, "peak_rss_anon_bytes") <= near_min.parse().unwrap(), "{family}: {tight}");

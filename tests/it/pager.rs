@@ -77,11 +77,7 @@ fn layouts(stats: &Value) -> Vec<String> {
 fn arena_sizes(model: &Path, tag: &str, args: &[&str], env: &[(&str, &str)]) -> (Value, u64, u64) {
     let probe = eval_env(model, &format!("probe-{tag}"), &[args, &["--ram-budget", "2G", "--sdq-reserve", "16M"]].concat(), env);
     let stats = probe.stats.unwrap();
-    let slot = |c: &Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-    let classes = stats["slot_classes"].as_array().unwrap().clone();
-    let all: u64 = classes.iter().map(|c| slot(c) * 16 * u(c, "layers")).sum();
-    let top_k = u(&stats, "top_k");
-    let min: u64 = classes.iter().map(|c| slot(c) * top_k).sum();
+    let (all, min) = (all_arena(&stats, 16), min_arena(&stats));
     (stats, all, min)
 }
 

@@ -249,7 +249,7 @@ fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() 
     let s = stats_when(&stats, 30, "the pager's first figures", |s| s["paged"] == true);
     assert_eq!(u(&s, "budget_bytes"), 2 << 30, "auto did not take the cgroup's limit: {s}");
     let planned = u(&s, "arena_planned_bytes");
-    let min_arena: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "expert_bytes").div_ceil(4096) * 4096 * u(&s, "top_k")).sum();
+    let min_arena = min_arena(&s);
     assert!(planned > (5 << 30) / 4, "the arena is too small for this test: {s}");
 
     // Lowered by 1 GiB while a request is being answered: the arena gives

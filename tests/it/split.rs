@@ -54,8 +54,7 @@ fn a_model_in_several_parts_runs_as_the_whole_file() {
         let whole = eval(&model, &format!("split-{family}-stock"), &base);
         let probe = eval(&parts[0], &format!("split-{family}-probe"), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "16M"]].concat());
         let stats = probe.stats.unwrap();
-        let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-        let min: u64 = stats["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&stats, "top_k")).sum();
+        let min = min_arena(&stats);
         for (name, budget) in [("all", "2G".to_string()), ("minimum", budget_for(&stats, 16 * MIB, min + MIB))] {
             let run = eval(&parts[0], &format!("split-{family}-{name}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "16M"]].concat());
             assert_eq!(run.json["tokens"], whole.json["tokens"], "{family}, {name} arena: tokens differ from the whole file's");

@@ -216,6 +216,21 @@ pub fn u(v: &serde_json::Value, key: &str) -> u64 {
     v[key].as_u64().unwrap_or_else(|| panic!("no {key} in {v}"))
 }
 
+/// The arena slot of a stats file's slot class: its expert in whole 4 KiB pages.
+pub fn slot_bytes(class: &serde_json::Value) -> u64 {
+    u(class, "expert_bytes").div_ceil(4096) * 4096
+}
+
+/// The tightest arena a run's stats allow: one layer's top-k in each slot class.
+pub fn min_arena(stats: &serde_json::Value) -> u64 {
+    stats["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * u(stats, "top_k")).sum()
+}
+
+/// The arena that holds every expert (`experts` per layer) of every paged layer.
+pub fn all_arena(stats: &serde_json::Value, experts: u64) -> u64 {
+    stats["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * experts * u(c, "layers")).sum()
+}
+
 /// A budget that leaves `tool` (run with `args`) an arena of one layer's
 /// top-k experts plus `extra` bytes over a 16 MiB reserve, from a probe run
 /// that reports what the process holds after load (the resident weights are
@@ -229,8 +244,7 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
     );
     assert!(o.status.success(), "probe {tool} {args:?}: {}", stderr(&o));
     let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-    let slot = |c: &serde_json::Value| u(c, "expert_bytes").div_ceil(4096) * 4096;
-    let min: u64 = s["slot_classes"].as_array().unwrap().iter().map(|c| slot(c) * u(&s, "top_k")).sum();
+    let min = min_arena(&s);
     // 1 MiB more: anonymous RSS after load varies a little between runs.
     (u(&s, "rss_anon_after_load_bytes") + 16 * (1 << 20) + min + (1 << 20) + extra).to_string()
 }
