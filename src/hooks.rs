@@ -155,7 +155,8 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
             part,
             kernels,
             layout,
-            counts_tokens: part == Part::Down && layer == first_layer,
+            // With the step's start: its first lookups are the gate's.
+            counts_tokens: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
             starts_step: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
             ends_step: part == Part::Down && layer == last_layer,
         }))

@@ -153,6 +153,14 @@ pub struct RunPlan<'a> {
     pub n_ctx: Option<u64>,
     /// The tool's `--mmproj`: counted in full before the arena, as a run does.
     pub mmproj: Option<&'a Path>,
+    /// A routing trace (`--sdq-trace`) to predict the arena's decode hit
+    /// rate and bytes read per token from, replayed through `policy`.
+    pub trace: Option<&'a Path>,
+    /// The run's eviction policy (default: the pager's).
+    pub policy: Option<crate::pager::policy::PolicyKind>,
+    /// The disk's read rate in MiB/s (`sdq bench-disk`): the predicted
+    /// bytes per token become a read-bound decode rate.
+    pub read_rate_mib_s: Option<f64>,
 }
 
 /// The accounting of `model`, as JSON (the text report is rendered from it).
@@ -290,7 +298,12 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
                 let slots = layout.plan_slots(arena, top_k).ok();
+                let prediction = match (plan.trace, &slots) {
+                    (Some(path), Some(_)) => Some(predict(path, &layout, top_k, arena, plan)?),
+                    _ => None,
+                };
                 json!({
+                    "prediction": prediction,
                     "budget_bytes": budget,
                     "reserve_bytes": reserve,
                     "anonymous_after_load_estimate_bytes": anon_estimate,
@@ -308,6 +321,25 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         report.as_object_mut().expect("object").insert("budget".into(), budget_json);
     }
     Ok(report)
+}
+
+/// The arena's decode hit rate and bytes per token, from the trace at `path`.
+fn predict(path: &Path, layout: &Layout, top_k: usize, arena: u64, plan: &RunPlan) -> Result<Value> {
+    let trace = crate::trace::Trace::open(path)?;
+    let policy = plan.policy.unwrap_or_default();
+    let p = crate::replay::predict(&trace, layout, top_k, arena, policy).map_err(|e| Error::invalid(format!("--trace {}: {e}", path.display())))?;
+    let mib = p.decode_bytes_per_token / MIB as f64;
+    Ok(json!({
+        "trace": path.display().to_string(),
+        "kind": if p.same_geometry { "replay" } else { "projection" },
+        "policy": policy.name(),
+        "replayed_arena_bytes": p.replayed_arena_bytes,
+        "decode_steps": p.decode_steps,
+        "decode_held_rate": p.decode_hit_pct / 100.0,
+        "decode_mib_read_per_token": mib,
+        "read_rate_mib_per_second": plan.read_rate_mib_s,
+        "read_bound_tokens_per_second": plan.read_rate_mib_s.filter(|_| mib > 0.0).map(|r| r / mib),
+    }))
 }
 
 /// The report as text.
@@ -390,6 +422,25 @@ pub fn render(r: &Value) -> String {
                 line(format!("  {} slots of {}", u(&s["slots"]), human(u(&s["expert_bytes"]))));
             }
             line(format!("  smallest budget that runs (estimate): {}", human(u(&b["min_budget_bytes"]))));
+            let p = &b["prediction"];
+            if let Some(kind) = p["kind"].as_str() {
+                let what = match kind {
+                    "replay" => "the model's own routing, replayed at this arena".to_string(),
+                    _ => format!("a projection: another geometry's routing, replayed at the same {:.2} token cycles and scaled", b["token_cycles_held"].as_f64().unwrap_or(0.0)),
+                };
+                line(format!(
+                    "  decode predicted from {} ({what}, {} over {} tokens): {:.1} % of lookups held (no read for the token), {:.1} MiB read per token{}",
+                    p["trace"].as_str().unwrap_or(""),
+                    p["policy"].as_str().unwrap_or(""),
+                    u(&p["decode_steps"]),
+                    100.0 * p["decode_held_rate"].as_f64().unwrap_or(0.0),
+                    p["decode_mib_read_per_token"].as_f64().unwrap_or(0.0),
+                    match (p["read_bound_tokens_per_second"].as_f64(), p["read_rate_mib_per_second"].as_f64()) {
+                        (Some(t), Some(r)) => format!(", {t:.2} tok/s if reads alone bound it at {r:.0} MiB/s"),
+                        _ => String::new(),
+                    }
+                ));
+            }
         }
     }
     s

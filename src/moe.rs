@@ -51,7 +51,7 @@ pub struct PagedMatmul {
     pub kernels: DotKernels,
     /// The weight's layout in the arena (stock's: plain or repacked).
     pub layout: WeightLayout,
-    /// True for the first paged layer's down projection: it counts tokens.
+    /// True for the first paged layer's first matmul: it counts tokens.
     pub counts_tokens: bool,
     /// True for the first paged layer's first matmul (gate or gate_up), and
     /// for the last paged layer's down: a step's paged work starts and ends.
@@ -471,19 +471,21 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
     let pager = rt.pager(ids.ne[0] as usize);
-    if op.counts_tokens && ith == 0 {
-        rt.count_tokens(ids.ne[1] as u64);
-    }
-    if op.starts_step && ith == 0 {
-        pager.step_started();
-    }
     let key = dst as *const sys::ggml_tensor as usize;
     // ggml runs a layer's gate (or fused gate_up) matmul first: it is
     // SwiGLU's first source, and it starts the batch's reads.
     let starts_layer = matches!(op.part, Part::Gate | Part::GateUp);
+    let starts = || {
+        if op.counts_tokens {
+            rt.count_tokens(ids.ne[1] as u64);
+        }
+        if op.starts_step {
+            pager.step_started();
+        }
+    };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
     // its F32 input with contiguous rows (checked when the op was built).
-    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, &op.kernels, ids, b, pager) };
+    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, starts, &op.kernels, ids, b, pager) };
     let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
     WORKSPACE.with_borrow_mut(|ws| {
         while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
@@ -535,14 +537,16 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     let (n_ff, n_embd) = (gate_w.ne[1] as usize, down_w.ne[1] as usize);
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert layer without an sdq runtime"));
     let pager = rt.pager(ids.ne[0] as usize);
-    if op.counts_tokens && ith == 0 {
-        rt.count_tokens(ids.ne[1] as u64);
-        pager.step_started();
-    }
     let key = dst as *const sys::ggml_tensor as usize;
+    let starts = || {
+        if op.counts_tokens {
+            rt.count_tokens(ids.ne[1] as u64);
+            pager.step_started();
+        }
+    };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
     // [n_embd, 1, n_tokens] input, contiguous (checked when the op was built).
-    let batch = unsafe { join(key, op.layer, &op.name, true, &op.gate, ids, b, pager) };
+    let batch = unsafe { join(key, op.layer, &op.name, true, starts, &op.gate, ids, b, pager) };
     let [gate_l, up_l, down_l] = op.layouts;
     let (gate, up, down) =
         (ExpertMatmul::new(&op.gate, gate_w, gate_l, nth), ExpertMatmul::new(&op.up, up_w, up_l, nth), ExpertMatmul::new(&op.down, down_w, down_l, nth));
@@ -608,7 +612,8 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
 }
 
 /// This thread's view of call `key`, which the first thread to arrive
-/// creates: it groups the routing by expert and, for the layer's first op
+/// creates: it starts the step where the call does (`starts`), groups the
+/// routing by expert and, for the layer's first op
 /// (`starts_layer`), hands the batch's misses to the readers and starts the
 /// prefetch. Returns once `b` is converted to `kernels`' activation type,
 /// which every thread of the call helps with.
@@ -617,9 +622,12 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
 /// `ids` must be this call's valid I32 routing tensor and `b` its F32 input
 /// [cols, ne11, n_tokens] with contiguous rows.
 #[allow(clippy::too_many_arguments)]
-unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, kernels: &DotKernels, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
+unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, starts: impl FnOnce(), kernels: &DotKernels, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.entry(key).or_insert_with(|| {
+        // The step's clock starts before its first lookups are counted,
+        // whichever thread arrives first.
+        starts();
         let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
         for t in 0..ids.ne[1] {
             for k in 0..ids.ne[0] {

@@ -24,6 +24,8 @@ pub struct PhaseTotals {
     /// Expert uses that found the expert held, and those that read it.
     pub hits: u64,
     pub misses: u64,
+    /// Of the hits, those that found an expert a prefetch had read.
+    pub prefetch_used: u64,
     pub seconds: f64,
 }
 
@@ -33,18 +35,25 @@ pub struct PagerTotals {
     pub bytes_read: u64,
     pub hits: u64,
     pub misses: u64,
+    pub prefetch_used: u64,
 }
 
 impl PhaseTotals {
     pub fn to_json(&self) -> serde_json::Value {
         const MIB: f64 = crate::budget::MIB as f64;
+        let lookups = self.hits + self.misses;
+        let share = |n: u64| if lookups > 0 { n as f64 / lookups as f64 } else { 0.0 };
         serde_json::json!({
             "steps": self.steps,
             "tokens": self.tokens,
             "bytes_read": self.bytes_read,
             "hits": self.hits,
             "misses": self.misses,
-            "hit_rate": if self.hits + self.misses > 0 { self.hits as f64 / (self.hits + self.misses) as f64 } else { 0.0 },
+            "prefetch_used": self.prefetch_used,
+            "hit_rate": share(self.hits),
+            // Found held with no read for this step: hits less the prefetched
+            // ones (what a replay of the routing counts as hits).
+            "held_rate": share(self.hits - self.prefetch_used.min(self.hits)),
             "seconds": self.seconds,
             "mib_read_per_token": if self.tokens > 0 { self.bytes_read as f64 / MIB / self.tokens as f64 } else { 0.0 },
             "tokens_per_second": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
@@ -100,6 +109,7 @@ impl PhaseClock {
         t.bytes_read += pager.bytes_read.saturating_sub(open.at_start.bytes_read);
         t.hits += pager.hits.saturating_sub(open.at_start.hits);
         t.misses += pager.misses.saturating_sub(open.at_start.misses);
+        t.prefetch_used += pager.prefetch_used.saturating_sub(open.at_start.prefetch_used);
         t.seconds += end.saturating_duration_since(open.started).as_secs_f64();
     }
 
@@ -119,7 +129,7 @@ mod tests {
     fn steps_are_summed_by_phase_and_idle_gaps_left_out() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let p = |bytes_read, hits, misses| PagerTotals { bytes_read, hits, misses };
+        let p = |bytes_read, hits, misses| PagerTotals { bytes_read, hits, misses, prefetch_used: hits / 2 };
         let mut c = PhaseClock::default();
         c.step_started(512, p(0, 0, 0), at(0)); // a prompt ubatch
         c.step_ended(at(900));
@@ -131,7 +141,7 @@ mod tests {
         c.step_started(7, p(1600, 12, 12), at(6300));
         let (prompt, decode) = c.totals(p(1700, 13, 14), at(6400));
         assert_eq!((prompt.steps, prompt.tokens, prompt.bytes_read, prompt.hits, prompt.misses), (2, 519, 1100, 6, 12));
-        assert_eq!((decode.hits, decode.misses), (7, 2));
+        assert_eq!((decode.hits, decode.misses, decode.prefetch_used), (7, 2, 4));
         assert!((prompt.seconds - 1.1).abs() < 1e-9, "{prompt:?}");
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.

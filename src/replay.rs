@@ -31,6 +31,8 @@ pub struct Tally {
     pub decode_misses: u64,
     /// Bytes the misses read: Σ misses × the layer's bytes per expert.
     pub bytes_read: u64,
+    /// Of those, in decode steps.
+    pub decode_bytes_read: u64,
 }
 
 impl Tally {
@@ -40,6 +42,7 @@ impl Tally {
         if phase == Phase::Decode {
             self.decode_hits += hits as u64;
             self.decode_misses += misses as u64;
+            self.decode_bytes_read += misses as u64 * expert_bytes;
         }
         self.bytes_read += misses as u64 * expert_bytes;
     }
@@ -285,6 +288,50 @@ pub fn belady(trace: &Trace, layout: &Layout, classes: &[SlotClass], judged_from
     tally
 }
 
+/// What a routing trace predicts for a model's arena (`sdq inspect --trace`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Prediction {
+    /// The trace is the model's own geometry (layers, experts, bytes, top-k):
+    /// replayed at the arena itself. Otherwise a projection: replayed at the
+    /// same token cycles in the trace's geometry, and scaled to the model's.
+    pub same_geometry: bool,
+    /// The arena in the model's token cycles.
+    pub cycles: f64,
+    /// The arena the trace was replayed at.
+    pub replayed_arena_bytes: u64,
+    pub decode_steps: u64,
+    pub decode_hit_pct: f64,
+    /// Decode bytes read per token, in the model's geometry.
+    pub decode_bytes_per_token: f64,
+}
+
+/// `trace` replayed through `policy` for a model laid out as `model` (top-`top_k`)
+/// with an arena of `arena_bytes`: its decode hit rate and bytes read per token.
+pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, policy: PolicyKind) -> Result<Prediction> {
+    let model_cycle: u64 = model.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum();
+    let same_geometry = trace.top_k == top_k
+        && trace.layers.len() == model.layers.len()
+        && trace.layers.values().zip(model.layers.values()).all(|(t, m)| t.layer == m.layer && t.experts == m.n_expert && t.bytes as usize == m.expert_bytes);
+    let cycles = arena_bytes as f64 / model_cycle.max(1) as f64;
+    let layout = layout_of(trace);
+    let replayed = if same_geometry {
+        arena_bytes
+    } else {
+        // At least the trace's own one-layer minimum: a model whose arena
+        // holds less than that geometry's would run below it.
+        ((cycles * trace.token_cycle() as f64) as u64).max(layout.min_arena_bytes(trace.top_k))
+    };
+    let classes = plan(trace, &layout, replayed)?;
+    let tally = replay(trace, &layout, &classes, policy, 0);
+    let decode_steps = trace.batches.iter().filter(|b| b.phase == Phase::Decode).map(|b| b.step).collect::<BTreeSet<_>>().len() as u64;
+    if decode_steps == 0 {
+        return Err(Error::invalid("the trace has no decode steps to predict from".to_string()));
+    }
+    let per_token = tally.decode_bytes_read as f64 / decode_steps as f64;
+    let scale = if same_geometry { 1.0 } else { model_cycle as f64 / trace.token_cycle().max(1) as f64 };
+    Ok(Prediction { same_geometry, cycles, replayed_arena_bytes: replayed, decode_steps, decode_hit_pct: tally.decode_hit_pct(), decode_bytes_per_token: per_token * scale })
+}
+
 /// One budget's results.
 #[derive(Clone, Debug)]
 pub struct Outcome {
@@ -453,6 +500,7 @@ impl Report {
                 "hits": t.hits, "misses": t.misses, "hit_pct": t.hit_pct(),
                 "decode_hits": t.decode_hits, "decode_misses": t.decode_misses, "decode_hit_pct": t.decode_hit_pct(),
                 "bytes_read": t.bytes_read,
+                "decode_bytes_read": t.decode_bytes_read,
             })
         };
         let known = |o: &Outcome| {

@@ -216,10 +216,35 @@ struct InspectArgs {
     /// compute buffers are counted before the arena.
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// A routing trace (`--sdq-trace FILE` of an earlier run): with
+    /// --ram-budget, predicts the arena's decode hit rate and MiB read per
+    /// token by replaying it through the policy (--sdq-policy). A trace of
+    /// another geometry is replayed at the same token cycles and scaled: a
+    /// projection.
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// The disk's read rate in MiB/s (`sdq bench-disk`): turns the predicted
+    /// MiB per token into the tokens per second reads alone allow.
+    #[arg(long, value_name = "MIB_S")]
+    read_rate: Option<f64>,
 }
 
 fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
-    let plan = sdq::inspect::RunPlan { budget: opts.budget, reserve: opts.reserve, n_ctx: a.ctx_size, mmproj: a.mmproj.as_deref() };
+    if a.trace.is_some() && opts.budget.is_none() {
+        return Err(sdq::Error::invalid("--trace predicts for an arena: give --ram-budget too"));
+    }
+    if let Some(r) = a.read_rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
+        return Err(sdq::Error::invalid(format!("--read-rate: '{r}' is not a positive MiB/s")));
+    }
+    let plan = sdq::inspect::RunPlan {
+        budget: opts.budget,
+        reserve: opts.reserve,
+        n_ctx: a.ctx_size,
+        mmproj: a.mmproj.as_deref(),
+        trace: a.trace.as_deref(),
+        policy: opts.policy,
+        read_rate_mib_s: a.read_rate,
+    };
     let r = sdq::inspect::inspect_run(&a.model, &plan)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&r).expect("serialize"));

@@ -712,11 +712,11 @@ impl Pager {
         arena.classes().iter().zip(in_use).map(|(c, &n)| (c.slot_bytes * n) as u64).sum()
     }
 
-    /// Expert bytes read, hits and misses so far (cheaper than `counts`).
+    /// Expert bytes read, hits, misses and prefetched hits so far (cheaper than `counts`).
     pub fn totals(&self) -> crate::phases::PagerTotals {
         let st = self.shared.lock();
-        let (hits, misses) = st.counts.values().fold((0, 0), |(h, m), c| (h + c.hits, m + c.misses));
-        crate::phases::PagerTotals { bytes_read: st.bytes_read, hits, misses }
+        let (hits, misses, prefetch_used) = st.counts.values().fold((0, 0, 0), |(h, m, p), c| (h + c.hits, m + c.misses, p + c.prefetch_used));
+        crate::phases::PagerTotals { bytes_read: st.bytes_read, hits, misses, prefetch_used }
     }
 
     /// Counts so far.

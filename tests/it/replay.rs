@@ -256,3 +256,41 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     // may rise, not fall.
     assert!(mean >= 34.0, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 35.1 %)");
 }
+
+/// `sdq inspect --trace` with another geometry's routing (the trained
+/// trace on a generated model) is a projection: the trace replayed at the
+/// same token cycles as the model's arena, its bytes per token scaled by
+/// the two token cycles. Its held rate is `sdq replay`'s at those cycles.
+#[test]
+fn inspect_projects_a_trained_trace_onto_another_geometry() {
+    let trace = trained_trace();
+    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "-c", "1024", "--ram-budget", "200M", "--sdq-reserve", "16M", "--read-rate", "800", "--trace"]).arg(&trace).arg(wide()), 60);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    let (b, p) = (&r["budget"], &r["budget"]["prediction"]);
+    assert_eq!(p["kind"], "projection", "{p}");
+    let cycles = b["token_cycles_held"].as_f64().unwrap();
+    let model_cycle = u(&r["token_working_set"], "token_cycle_bytes") as f64;
+    let at = &replay(&trace, &["--ram-budget", &u(p, "replayed_arena_bytes").to_string(), "--policy", "freq-auto"])["results"][0];
+    let replayed = tally(at, "freq-auto");
+    let trace_cycle = u(&replay(&trace, &["--cycles", "1"]), "token_cycle_bytes") as f64;
+    assert!((u(p, "replayed_arena_bytes") as f64 / trace_cycle - cycles).abs() < 0.01, "replayed at {cycles:.3} cycles: {p}");
+    assert!((p["decode_held_rate"].as_f64().unwrap() - replayed["decode_hit_pct"].as_f64().unwrap() / 100.0).abs() < 1e-9, "{p} vs {replayed}");
+    let decode_steps = u(p, "decode_steps") as f64;
+    let mib = u(replayed, "decode_bytes_read") as f64 / decode_steps * model_cycle / trace_cycle / MIB as f64;
+    assert!((p["decode_mib_read_per_token"].as_f64().unwrap() - mib).abs() < 1e-6, "{p}: {mib}");
+    assert!((p["read_bound_tokens_per_second"].as_f64().unwrap() - 800.0 / mib).abs() < 1e-6, "{p}");
+    // The text report says it is a projection.
+    let o = run(Command::new(bin("sdq")).args(["inspect", "-c", "1024", "--ram-budget", "200M", "--sdq-reserve", "16M", "--trace"]).arg(&trace).arg(wide()), 60);
+    assert!(stdout(&o).contains("a projection: another geometry's routing"), "{}", stdout(&o));
+    // Bad input: a trace with no budget, a missing trace, a bad read rate.
+    for (args, msg) in [
+        (&["--trace", trace.to_str().unwrap()][..], "--trace predicts for an arena: give --ram-budget too".to_string()),
+        (&["--ram-budget", "1G", "--trace", "/nonexistent/t.csv"][..], "cannot open trace /nonexistent/t.csv".to_string()),
+        (&["--ram-budget", "1G", "--trace", trace.to_str().unwrap(), "--read-rate", "0"][..], "--read-rate: '0' is not a positive MiB/s".to_string()),
+    ] {
+        let o = run(Command::new(bin("sdq")).arg("inspect").args(args).arg(wide()), 60);
+        assert_eq!(o.status.code(), Some(1), "{args:?}");
+        assert!(stderr(&o).contains(&msg) && !stderr(&o).contains("panicked"), "{args:?}: {}", stderr(&o));
+    }
+}
