@@ -641,6 +641,9 @@ unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, starts: i
         }
         let deferred = if starts_layer {
             let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
+            if ids.ne[1] > 1 {
+                runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
+            }
             let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
             // This layer's misses are queued: now what the next layer will likely need.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);

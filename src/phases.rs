@@ -9,7 +9,12 @@
 //! last paged layer and the next step (a server waiting for a request), the
 //! step is closed at its last paged layer instead, so idle time is not
 //! counted as decoding.
+//!
+//! Consecutive prompt steps are one prompt run: what they read against the
+//! expert bytes they touched says whether a larger `-ub` would read fewer
+//! (see [`UbatchHint`]).
 
+use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
 /// A gap between steps longer than this is idle, not part of the step.
@@ -79,6 +84,59 @@ pub struct PhaseClock {
     open: Option<Open>,
     pub prompt: PhaseTotals,
     pub decode: PhaseTotals,
+    /// The prompt steps since the last decode step.
+    run: Option<PromptRun>,
+    /// The last prompt run of two or more ubatches, once a decode step ended it.
+    ended_run: Option<PromptRun>,
+}
+
+/// Consecutive prompt steps (ubatches of one prompt): their tokens, the
+/// bytes they read and the distinct experts they touched.
+#[derive(Clone, Debug, Default)]
+pub struct PromptRun {
+    pub steps: u64,
+    pub tokens: u64,
+    /// The largest step: the run's ubatch.
+    pub ubatch: u64,
+    bytes_at_start: u64,
+    pub bytes_read: u64,
+    touched: HashSet<(u32, u32)>,
+    pub touched_bytes: u64,
+}
+
+/// A larger `-ub` that would read fewer expert bytes for a prompt like the
+/// last one, and whose compute buffers fit the headroom the budget has left.
+/// Each ubatch reads an expert it touches at most once, so one ubatch of the
+/// whole prompt reads at most the bytes the run touched.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct UbatchHint {
+    pub ubatch: u64,
+    /// Bytes that ubatch would read, about (never below the touched bytes).
+    pub reads: u64,
+    /// Compute buffer bytes it needs beyond the run's ubatch, about.
+    pub extra: u64,
+}
+
+impl PromptRun {
+    /// The largest ubatch, of powers of two times the run's and the prompt
+    /// rounded up to 256, that would take fewer ubatches and whose compute
+    /// buffers (`compute` bytes at the run's ubatch, growing in proportion)
+    /// fit in `headroom`; None if the run read its experts about once
+    /// already (at most 1.25 times the bytes it touched).
+    pub fn ubatch_hint(&self, compute: u64, headroom: u64) -> Option<UbatchHint> {
+        if self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+            return None;
+        }
+        let whole = self.tokens.div_ceil(256) * 256;
+        let mut candidates: Vec<u64> = std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2)).take_while(|&u| u < whole).collect();
+        candidates.push(whole);
+        candidates.into_iter().rev().find_map(|ubatch| {
+            let steps = self.tokens.div_ceil(ubatch);
+            let extra = (compute as f64 * (ubatch as f64 / self.ubatch as f64 - 1.0)) as u64;
+            let reads = ((self.bytes_read as f64 * steps as f64 / self.steps as f64) as u64).max(self.touched_bytes);
+            (steps < self.steps && extra <= headroom && reads < self.bytes_read).then_some(UbatchHint { ubatch, reads, extra })
+        })
+    }
 }
 
 impl PhaseClock {
@@ -87,6 +145,40 @@ impl PhaseClock {
     pub fn step_started(&mut self, tokens: u64, pager: PagerTotals, now: Instant) {
         self.close(pager, now);
         self.open = Some(Open { decode: tokens == 1, tokens, started: now, at_start: pager, ended: None });
+        if tokens > 1 {
+            let run = self.run.get_or_insert_with(|| PromptRun { bytes_at_start: pager.bytes_read, ..PromptRun::default() });
+            run.steps += 1;
+            run.tokens += tokens;
+            run.ubatch = run.ubatch.max(tokens);
+        } else {
+            self.end_run(pager);
+        }
+    }
+
+    /// A prompt step's layer used `experts` of `expert_bytes` each.
+    pub fn touched(&mut self, layer: u32, experts: &[u32], expert_bytes: u64) {
+        if let (Some(run), Some(Open { decode: false, .. })) = (&mut self.run, &self.open) {
+            for &e in experts {
+                if run.touched.insert((layer, e)) {
+                    run.touched_bytes += expert_bytes;
+                }
+            }
+        }
+    }
+
+    /// Ends the prompt run (at a decode step, or at exit); one of two or
+    /// more ubatches is kept for [`PhaseClock::take_ended_run`].
+    pub fn end_run(&mut self, pager: PagerTotals) {
+        if let Some(mut run) = self.run.take() {
+            run.bytes_read = pager.bytes_read.saturating_sub(run.bytes_at_start);
+            if run.steps >= 2 {
+                self.ended_run = Some(run);
+            }
+        }
+    }
+
+    pub fn take_ended_run(&mut self) -> Option<PromptRun> {
+        self.ended_run.take()
     }
 
     /// The open step's last paged layer finished at `now`.
@@ -115,7 +207,7 @@ impl PhaseClock {
 
     /// The totals with the open step counted as if it closed at `now`.
     pub fn totals(&self, pager: PagerTotals, now: Instant) -> (PhaseTotals, PhaseTotals) {
-        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode };
+        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode, run: None, ended_run: None };
         c.close(pager, now);
         (c.prompt, c.decode)
     }
@@ -146,5 +238,35 @@ mod tests {
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.
         assert!((decode.seconds - 0.3).abs() < 1e-9, "{decode:?}");
+    }
+
+    #[test]
+    fn a_prompt_that_read_its_experts_once_per_ubatch_gets_a_larger_ubatch() {
+        let p = |bytes_read| PagerTotals { bytes_read, ..PagerTotals::default() };
+        let now = Instant::now();
+        let mut c = PhaseClock::default();
+        // 2,000 tokens in four ubatches of 512, each touching and reading the
+        // same 8 experts of 100 bytes: 3,200 read, 800 touched.
+        for (i, tokens) in [512, 512, 512, 464].into_iter().enumerate() {
+            c.step_started(tokens, p(i as u64 * 800), now);
+            c.touched(0, &[0, 1, 2, 3, 4, 5, 6, 7], 100);
+        }
+        c.step_started(1, p(3200), now);
+        let run = c.take_ended_run().expect("four ubatches");
+        assert_eq!((run.steps, run.tokens, run.ubatch, run.bytes_read, run.touched_bytes), (4, 2000, 512, 3200, 800));
+        // Compute buffers of 100 MB at 512: 2,048 needs 300 MB more.
+        let h = run.ubatch_hint(100_000_000, 400_000_000).unwrap();
+        assert_eq!((h.ubatch, h.reads, h.extra), (2048, 800, 300_000_000));
+        // With room for 1,024 only: half the reads.
+        let h = run.ubatch_hint(100_000_000, 150_000_000).unwrap();
+        assert_eq!((h.ubatch, h.reads), (1024, 1600));
+        assert_eq!(run.ubatch_hint(100_000_000, 50_000_000), None, "no room for a larger ubatch");
+        // A run that read each expert about once has nothing to gain.
+        let once = PromptRun { steps: 4, tokens: 2000, ubatch: 512, bytes_read: 900, touched_bytes: 800, ..PromptRun::default() };
+        assert_eq!(once.ubatch_hint(0, u64::MAX), None);
+        // One ubatch is no run.
+        c.step_started(300, p(0), now);
+        c.step_started(1, p(10), now);
+        assert!(c.take_ended_run().is_none());
     }
 }

@@ -442,7 +442,55 @@ impl Runtime {
     /// paged layer), which starts that step's clock.
     pub fn count_tokens(&self, n: u64) {
         let totals = self.pager_totals();
-        self.lock_phases().step_started(n, totals, Instant::now());
+        let ended = {
+            let mut phases = self.lock_phases();
+            phases.step_started(n, totals, Instant::now());
+            phases.take_ended_run()
+        };
+        if let Some(run) = ended {
+            self.hint_ubatch(&run);
+        }
+    }
+
+    /// A prompt step's layer `layer` uses `experts` (for the `-ub` hint).
+    pub fn prompt_touched(&self, layer: u32, experts: &[u32]) {
+        let Some((pager, _)) = self.pager.get() else { return };
+        let Some(l) = pager.layout().layers.get(&layer) else { return };
+        self.lock_phases().touched(layer, experts, l.expert_bytes as u64);
+    }
+
+    /// Says once, in one line, when a prompt read its experts several times
+    /// over (once per ubatch) and a larger `-ub` whose compute buffers fit
+    /// the budget's headroom would read fewer. The user's flags stay as given.
+    fn hint_ubatch(&self, run: &crate::phases::PromptRun) {
+        static SAID: AtomicBool = AtomicBool::new(false);
+        let Some((pager, plan)) = self.pager.get() else { return };
+        let now = self.sample_memory().rss_anon;
+        let peak = self.peak_rss_anon.load(Ordering::Relaxed).max(now);
+        // Compute buffers at this ubatch: what the process holds beyond its
+        // memory after load and the arena's resident pages.
+        let compute = now.saturating_sub(plan.rss_anon_at_start).saturating_sub(pager.arena_resident_bytes().unwrap_or(0));
+        // The larger buffers must fit beside this run's peak, and a run
+        // started with them must still pass the load-time minimum (after
+        // load, the reserve and one layer's top-k).
+        let minimum = plan.rss_anon_at_start + plan.mapped_weight_bytes + plan.reserve + pager.layout().min_arena_bytes(plan.top_k);
+        let headroom = self.budget.saturating_sub(peak).min(self.budget.saturating_sub(minimum));
+        let Some(h) = run.ubatch_hint(compute, headroom) else { return };
+        if SAID.swap(true, Ordering::Relaxed) {
+            return;
+        }
+        eprintln!(
+            "sdq: hint: a prompt of {} tokens ran in {} ubatches of {} and read {} of experts, {:.1} times the {} it touched (each ubatch reads its experts again); -ub {} (with -b at least that) would read about {}, and its compute buffers (about {} more) fit the budget",
+            run.tokens,
+            run.steps,
+            run.ubatch,
+            human(run.bytes_read),
+            run.bytes_read as f64 / run.touched_bytes.max(1) as f64,
+            human(run.touched_bytes),
+            h.ubatch,
+            human(h.reads),
+            human(h.extra)
+        );
     }
 
     fn pager_totals(&self) -> PagerTotals {
@@ -495,6 +543,14 @@ impl Runtime {
             return true;
         }
         self.sample_memory();
+        let ended = {
+            let mut phases = self.lock_phases();
+            phases.end_run(self.pager_totals());
+            phases.take_ended_run()
+        };
+        if let Some(run) = ended {
+            self.hint_ubatch(&run);
+        }
         if let Some(trace) = &self.trace {
             let mut t = trace.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = t.flush() {

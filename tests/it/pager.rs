@@ -588,3 +588,64 @@ fn resident_weights_are_counted_against_the_budget() {
     assert_eq!(u(&mapped, "mapped_weight_bytes"), resident - embd, "{mapped}");
     assert!(u(&mapped, "rss_anon_after_load_bytes") < u(&loaded, "rss_anon_after_load_bytes") - (resident - embd));
 }
+
+/// A prompt that reads its experts once per ubatch, in an arena smaller
+/// than what it touches, gets one line naming a larger `-ub` whose compute
+/// buffers fit the budget. The flags are never changed: run with that `-ub`
+/// it reads less and stays inside the budget, and every run gives stock's
+/// tokens and logits with its own flags.
+#[test]
+fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
+    // Near-flat routing over 256 experts: each ubatch touches most of them.
+    let model = gen_model("hint-flat.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--router-skew", "0", "--seed", "3"]);
+    // About 1,000 tokens of made-up words, so that the prompt is not a few tokens repeated.
+    let mut x = 7u64;
+    let words: Vec<String> = (0..400)
+        .map(|_| {
+            (0..2 + x % 6)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (b'a' + (x >> 33) as u8 % 26) as char
+                })
+                .collect()
+        })
+        .collect();
+    let prompt = scratch().join("hint-prompt.txt");
+    std::fs::write(&prompt, words.join(" ")).unwrap();
+    let run_eval = |ubatch: &str, budget: Option<&str>, tag: &str| {
+        let (logits, stats) = (scratch().join(format!("hint-{tag}.bin")), scratch().join(format!("hint-{tag}.json")));
+        let mut cmd = Command::new(bin("sdq"));
+        cmd.args(["eval", "-m", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", ubatch]);
+        cmd.args(["--logits", logits.to_str().unwrap()]);
+        if let Some(b) = budget {
+            cmd.args(["--ram-budget", b, "--sdq-reserve", "32M", "--sdq-stats", stats.to_str().unwrap()]);
+        }
+        let o = run(&mut cmd, 300);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let stats: Option<Value> = budget.map(|_| serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap());
+        (json["tokens"].clone(), logits, stats, stderr(&o))
+    };
+    let (_, _, probe, _) = run_eval("128", Some("1G"), "probe");
+    let probe = probe.unwrap();
+    // An arena of about a quarter of what the prompt touches.
+    let budget = budget_for(&probe, 32 * MIB, 40 * MIB);
+    let (tokens, logits, stats, err) = run_eval("128", Some(&budget), "ub128");
+    let (stock_tokens, stock_logits, _, _) = run_eval("128", None, "stock128");
+    assert_eq!((&tokens, max_abs_diff(&logits, &stock_logits)), (&stock_tokens, 0.0), "-ub 128 under the budget against stock with -ub 128");
+    let hints: Vec<&str> = err.lines().filter(|l| l.starts_with("sdq: hint:")).collect();
+    assert_eq!(hints.len(), 1, "one hint line: {err}");
+    let hint = hints[0];
+    assert!(hint.contains("ubatches of 128") && hint.contains("fit the budget"), "{hint}");
+    let ub: u64 = hint.split("-ub ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no -ub in: {hint}"));
+    assert!(ub > 128, "{hint}");
+    let before = stats.unwrap();
+    let (tokens, logits, after, _) = run_eval(&ub.to_string(), Some(&budget), "hinted");
+    let (stock_tokens, stock_logits, _, _) = run_eval(&ub.to_string(), None, "stock-hinted");
+    assert_eq!((&tokens, max_abs_diff(&logits, &stock_logits)), (&stock_tokens, 0.0), "-ub {ub} under the budget against stock with -ub {ub}");
+    let after = after.unwrap();
+    let read = |s: &Value| u(&s["prompt"], "bytes_read");
+    assert!((read(&after) as f64) < 0.8 * read(&before) as f64, "-ub {ub} read {} B of experts for the prompt, -ub 128 {}", read(&after), read(&before));
+    assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
+}
