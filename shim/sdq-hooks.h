@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 8
+#define SDQ_HOOKS_VERSION 9
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -86,6 +86,10 @@ struct sdq_hooks {
     /* Compute: the error that abandoned the last batch, copied into buf
      * (NUL-terminated, cut at len) and forgotten; false if there is none. */
     bool (*take_batch_error)(void * user_data, char * buf, size_t len);
+
+    /* Context: context `ctx` reserved `bytes` of compute buffers in host
+     * memory (allocated, not yet touched; called again if it reserves anew). */
+    void (*compute_buffers)(void * user_data, const void * ctx, size_t bytes);
 };
 
 /* ggml abort callback (llama_set_abort_callback): the abort_requested hook,

@@ -42,6 +42,7 @@ pub fn install() {
             moe_experts: Some(moe_experts),
             abort_requested: Some(abort_requested),
             take_batch_error: Some(take_batch_error),
+            compute_buffers: Some(compute_buffers),
         })
     });
     // SAFETY: the table is static, so it outlives every model.
@@ -50,6 +51,14 @@ pub fn install() {
 
 extern "C" fn abort_requested(_: *mut c_void) -> bool {
     guard("abort_requested", runtime::abort_requested)
+}
+
+extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize) {
+    guard("compute_buffers", || {
+        if let Some(rt) = runtime::get() {
+            rt.on_compute_buffers(bytes as u64);
+        }
+    })
 }
 
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {

@@ -24,6 +24,8 @@ use std::time::{Duration, Instant};
 pub struct ArenaPlan {
     pub reserve: u64,
     pub rss_anon_at_start: u64,
+    /// Compute buffers reserved and not yet touched then, counted as held.
+    pub compute_untouched: u64,
     /// Weights in the file mapping that every token reads (see `budget::Held`).
     pub mapped_weight_bytes: u64,
     pub arena_bytes: u64,
@@ -70,6 +72,9 @@ pub struct Runtime {
     /// Each step's tokens, time and bytes read, by phase (prompt or decode).
     phases: Mutex<PhaseClock>,
     peak_rss_anon: AtomicU64,
+    /// The largest compute buffers a context reserved, and the process's
+    /// anonymous memory then (before any of their pages were touched).
+    compute_buffers: Mutex<Option<(u64, u64)>>,
     max_swap: AtomicU64,
     finished: AtomicBool,
     /// The routing being recorded (`--sdq-trace`).
@@ -103,6 +108,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         pager: OnceLock::new(),
         phases: Mutex::new(PhaseClock::default()),
         peak_rss_anon: AtomicU64::new(0),
+        compute_buffers: Mutex::new(None),
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
         trace,
@@ -301,6 +307,27 @@ impl Runtime {
         (layers().min().unwrap_or(0), layers().max().unwrap_or(0))
     }
 
+    /// A context reserved `bytes` of compute buffers in host memory.
+    pub fn on_compute_buffers(&self, bytes: u64) {
+        let rss = ProcMemory::read().rss_anon;
+        log::debug!("a context reserved {} of compute buffers; the process holds {}", human(bytes), human(rss));
+        let mut c = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());
+        // The latest of the largest: common's parameter fitting reserves a
+        // context of the same size before the weights are read.
+        if c.is_none_or(|(b, _)| bytes >= b) {
+            *c = Some((bytes, rss));
+        }
+    }
+
+    /// Of the compute buffers, what the process does not hold yet with
+    /// `rss` of anonymous memory: ggml allocates them untouched, and the
+    /// first graph touches only part of them before the arena is planned.
+    /// (What grew since they were reserved is taken as theirs.)
+    fn untouched_compute(&self, rss: u64) -> u64 {
+        let c = *self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());
+        c.map_or(0, |(bytes, at)| bytes.saturating_sub(rss.saturating_sub(at)))
+    }
+
     /// The pager, created on first use from what the loader reported.
     pub fn pager(&self, top_k: usize) -> &Pager {
         &self.pager.get_or_init(|| self.create_pager(top_k).unwrap_or_else(|e| fatal(&e.to_string()))).0
@@ -316,14 +343,20 @@ impl Runtime {
         let rss = ProcMemory::read().rss_anon;
         let projector = self.projector_memory();
         let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
-        let held = budget::Held { anon: rss + projector_bytes, mapped };
+        let compute = self.untouched_compute(rss);
+        log::debug!("planning the arena: the process holds {}, compute buffers not yet touched {}", human(rss), human(compute));
+        let held = budget::Held { anon: rss + projector_bytes + compute, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
         let too_small = || {
             Error::invalid(format!(
-                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory and {} of mapped weights{}, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
+                "RAM budget {} is too small: after loading, the process holds {} of anonymous memory{} and {} of mapped weights{}, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
                 human(self.budget),
                 human(rss),
+                match compute {
+                    0 => String::new(),
+                    c => format!(" (and its compute buffers {} more once used)", human(c)),
+                },
                 human(mapped),
                 match (&self.options.mmproj, projector_bytes) {
                     (Some(path), b) if b > 0 => format!(", the projector {} takes {} more", path.display(), human(b)),
@@ -331,7 +364,7 @@ impl Runtime {
                 },
                 human(reserve),
                 human(min_arena),
-                human(rss + projector_bytes + mapped + reserve + min_arena)
+                human(rss + compute + projector_bytes + mapped + reserve + min_arena)
             ))
         };
         let arena_bytes = budget::arena_bytes(self.budget, reserve, held, budget::rlimit_data()).map_err(|_| too_small())?;
@@ -340,6 +373,7 @@ impl Runtime {
         let plan = ArenaPlan {
             reserve,
             rss_anon_at_start: rss,
+            compute_untouched: compute,
             mapped_weight_bytes: mapped,
             arena_bytes,
             slots: slots.clone(),
@@ -469,11 +503,19 @@ impl Runtime {
         let peak = self.peak_rss_anon.load(Ordering::Relaxed).max(now);
         // Compute buffers at this ubatch: what the process holds beyond its
         // memory after load and the arena's resident pages.
-        let compute = now.saturating_sub(plan.rss_anon_at_start).saturating_sub(pager.arena_resident_bytes().unwrap_or(0));
+        // Compute buffers at this ubatch: the size its context reserved, or
+        // else what the process holds beyond its memory after load and the
+        // arena's resident pages.
+        let reserved = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner()).map_or(0, |c| c.0);
+        let compute = if reserved > 0 {
+            reserved
+        } else {
+            now.saturating_sub(plan.rss_anon_at_start).saturating_sub(pager.arena_resident_bytes().unwrap_or(0))
+        };
         // The larger buffers must fit beside this run's peak, and a run
         // started with them must still pass the load-time minimum (after
         // load, the reserve and one layer's top-k).
-        let minimum = plan.rss_anon_at_start + plan.mapped_weight_bytes + plan.reserve + pager.layout().min_arena_bytes(plan.top_k);
+        let minimum = plan.rss_anon_at_start + plan.compute_untouched + plan.mapped_weight_bytes + plan.reserve + pager.layout().min_arena_bytes(plan.top_k);
         let headroom = self.budget.saturating_sub(peak).min(self.budget.saturating_sub(minimum));
         let Some(h) = run.ubatch_hint(compute, headroom) else { return };
         if SAID.swap(true, Ordering::Relaxed) {
@@ -655,6 +697,8 @@ impl Runtime {
             let o = v.as_object_mut().expect("object");
             o.insert("reserve_bytes".into(), json!(plan.reserve));
             o.insert("rss_anon_after_load_bytes".into(), json!(plan.rss_anon_at_start));
+            o.insert("compute_untouched_bytes".into(), json!(plan.compute_untouched));
+            o.insert("compute_buffer_bytes".into(), json!(self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner()).map_or(0, |c| c.0)));
             o.insert("mapped_weight_bytes".into(), json!(plan.mapped_weight_bytes));
             // The arena's size now: its plan unless memory pressure took
             // some back (see `pressure`), the slots it may fill, and its changes.

@@ -394,6 +394,10 @@ struct GenModelArgs {
     /// for a cache), 2 = trained-looking hot and cold experts.
     #[arg(long, default_value_t = 2.0, allow_negative_numbers = true)]
     router_skew: f32,
+    /// How much of the earlier tokens the hidden states (and so the routers)
+    /// carry: the scale of the attention output projections, 0.15 by default.
+    #[arg(long)]
+    context_gain: Option<f32>,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Quantizer threads (default: all cores).
@@ -444,6 +448,9 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
     spec.router_skew = a.router_skew;
+    if let Some(g) = a.context_gain {
+        spec.context_gain = g;
+    }
     if let Some(t) = &a.expert_type {
         spec.expert_type = Some(
             sdq::ggml::GgmlType::from_name(t)

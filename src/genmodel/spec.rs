@@ -305,8 +305,18 @@ pub struct ModelSpec {
     /// noise alone (near-uniform use, the worst case for a cache), 2 (the
     /// default) gives trained-looking hot and cold experts.
     pub router_skew: f32,
+    /// The scale of the projections that write a mixer's output (attention,
+    /// linear attention) into the residual stream, relative to 1/sqrt(fan-in):
+    /// the larger, the more of the earlier tokens each hidden state, and so
+    /// each routing decision, carries.
+    pub context_gain: f32,
     pub seed: u64,
 }
+
+/// The scale of projections into the residual stream, relative to
+/// 1/sqrt(fan-in), small so that the embedding's shared direction (what
+/// routers key on) survives depth.
+pub const RESIDUAL_GAIN: f32 = 0.15;
 
 /// Named geometries.
 pub const PRESETS: &[&str] = &["tiny", "35b-a3b", "gpt-oss-120b", "gpt-oss-20b", "deepseek-v3"];
@@ -350,6 +360,7 @@ impl ModelSpec {
             context_length: 4096,
             expert_type: None,
             router_skew: 2.0,
+            context_gain: RESIDUAL_GAIN,
             seed: 1,
         };
         match name {
@@ -575,6 +586,9 @@ impl ModelSpec {
         if !(self.router_skew.is_finite() && (0.0..=16.0).contains(&self.router_skew)) {
             return bad(format!("router skew {} is outside 0..=16", self.router_skew));
         }
+        if !(self.context_gain.is_finite() && (0.0..=4.0).contains(&self.context_gain)) {
+            return bad(format!("context gain {} is outside 0..=4", self.context_gain));
+        }
         if let Some(t) = self.expert_type {
             if !t.can_quantize() {
                 return bad(format!("ggml cannot quantize to {} without an importance matrix", t.name()));
@@ -700,7 +714,8 @@ impl ModelSpec {
         let dense = |fan_in: i64| Fill::Dense { std: 1.0 / (fan_in as f32).sqrt() };
         // Projections that write into the residual stream are scaled down so the
         // embedding's shared direction (what routers key on) survives depth.
-        let residual = |fan_in: i64| Fill::Dense { std: 0.15 / (fan_in as f32).sqrt() };
+        let residual = |fan_in: i64| Fill::Dense { std: RESIDUAL_GAIN / (fan_in as f32).sqrt() };
+        let mixer_out = |fan_in: i64| Fill::Dense { std: self.context_gain / (fan_in as f32).sqrt() };
         let bias = Fill::Dense { std: 0.02 };
         let one = Fill::Const(1.0);
         let v = self.n_vocab as i64;
@@ -738,7 +753,7 @@ impl ModelSpec {
                     add(blk("ssm_alpha.weight"), q4k, vec![e, r], dense(e));
                 }
                 add(blk("ssm_norm.weight"), f32t, vec![self.ssm_head_dim], one.clone());
-                add(blk("ssm_out.weight"), q4k, vec![vd, e], residual(vd));
+                add(blk("ssm_out.weight"), q4k, vec![vd, e], mixer_out(vd));
             } else if f.mixer == Mixer::Latent {
                 let (rope, vdim, ql, kvl) = (self.rope_dim(), self.mla_value_dim(), self.q_lora_rank, self.kv_lora_rank);
                 let nope = hd - rope;
@@ -749,7 +764,7 @@ impl ModelSpec {
                 add(blk("attn_kv_a_mqa.weight"), q4k, vec![e, kvl + rope], dense(e));
                 add(blk("attn_k_b.weight"), GgmlType::Q8_0, vec![nope, kvl, h], dense(nope));
                 add(blk("attn_v_b.weight"), attn_v_type(), vec![kvl, vdim, h], dense(kvl));
-                add(blk("attn_output.weight"), q4k, vec![h * vdim, e], residual(h * vdim));
+                add(blk("attn_output.weight"), q4k, vec![h * vdim, e], mixer_out(h * vdim));
             } else {
                 let q_width = if f.gated_query { 2 * h * hd } else { h * hd };
                 add(blk("attn_q.weight"), q4k, vec![e, q_width], dense(e));
@@ -760,7 +775,7 @@ impl ModelSpec {
                     add(blk("attn_k.bias"), f32t, vec![hkv * hd], bias.clone());
                     add(blk("attn_v.bias"), f32t, vec![hkv * hd], bias.clone());
                 }
-                add(blk("attn_output.weight"), q4k, vec![h * hd, e], residual(h * hd));
+                add(blk("attn_output.weight"), q4k, vec![h * hd, e], mixer_out(h * hd));
                 if f.out_bias {
                     add(blk("attn_output.bias"), f32t, vec![e], bias.clone());
                 }

@@ -86,7 +86,7 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
         let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", "2G", "--sdq-stats", probe_stats.to_str().unwrap()]].concat(), &[PLAIN]);
         complete(port, "Hello", 2);
         let s = stats_when(&probe_stats, 30, "a stats snapshot from the server", |_| true);
-        u(&s, "rss_anon_after_load_bytes") + min_arena(&s)
+        held_after_load(&s) + min_arena(&s)
     };
     // The minimum arena plus 2 MiB (anonymous RSS after load varies a little):
     // 4 slots decoding at once keep evicting. The reserve covers what the

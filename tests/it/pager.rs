@@ -59,7 +59,7 @@ pub(crate) fn long_prompt() -> PathBuf {
 pub(crate) fn budget_for(probe: &Value, reserve: u64, arena: u64) -> String {
     // Under ASan the memory held after load varies from run to run by a few MiB.
     let slack = if sanitized() { 8 * MIB } else { 0 };
-    (u(probe, "rss_anon_after_load_bytes") + reserve + arena + slack).to_string()
+    (held_after_load(probe) + reserve + arena + slack).to_string()
 }
 
 /// Stock's two weight layouts for the same model: its defaults (Q4_K
@@ -577,7 +577,7 @@ fn resident_weights_are_counted_against_the_budget() {
         );
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
-        let held = u(&s, "rss_anon_after_load_bytes") + u(&s, "mapped_weight_bytes");
+        let held = held_after_load(&s) + u(&s, "mapped_weight_bytes");
         assert_eq!(u(&s, "arena_bytes") + held + u(&s, "reserve_bytes"), 1 << 30, "{tag}: arena: {s}");
         s
     };

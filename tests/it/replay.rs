@@ -50,7 +50,7 @@ fn replay_reproduces_the_live_hit_rate() {
     // A probe learns what the process holds after load and the token cycle.
     let probe = live("probe", "2G", 2, "freq", &[]);
     let cycle = u(&replay(&probe.trace, &["--cycles", "1"]), "token_cycle_bytes");
-    let after_load = u(&probe.stats, "rss_anon_after_load_bytes");
+    let after_load = held_after_load(&probe.stats);
     for (policy, threads, cycles) in [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("freq-auto", 2, 1.0)] {
         // An arena of about `cycles` token cycles; 4 MiB of slack for the
         // anonymous memory after load, which varies a little between runs.
@@ -144,7 +144,7 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
     let _ = std::fs::remove_file(&hot);
     // A budget with room for a few token cycles, so the arena keeps more than one token's experts.
     let probe = live("hot-probe", "2G", 2, "freq", &[]);
-    let budget = (u(&probe.stats, "rss_anon_after_load_bytes") + 16 * MIB + 24 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
+    let budget = (held_after_load(&probe.stats) + 16 * MIB + 24 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
     let eval = |tag: &str, hotset: bool| {
         let stats = dir.join(format!("hot-{tag}.json"));
         let mut cmd = Command::new(bin("sdq"));
