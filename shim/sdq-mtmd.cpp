@@ -23,3 +23,39 @@ extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t
     *total = sum;
     return 0;
 }
+
+// The compute buffers a context of the text model reserves in host memory
+// for these sizes, from a model loaded with no_alloc (metadata only, as
+// common's parameter fitting loads it): `sdq inspect` counts them as a run
+// does when it plans the arena (patch 0006), before any of them is touched.
+#include "llama.h"
+#include "llama-ext.h"
+
+extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes) {
+    llama_model_params mp = llama_model_default_params();
+    mp.no_alloc = true;
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;
+    llama_model * model = llama_model_load_from_file(model_path, mp);
+    if (!model) {
+        return 1;
+    }
+    llama_context_params cp = llama_context_default_params();
+    cp.n_ctx = n_ctx;
+    cp.n_batch = n_batch;
+    cp.n_ubatch = n_ubatch;
+    llama_context * ctx = llama_init_from_model(model, cp);
+    if (!ctx) {
+        llama_model_free(model);
+        return 1;
+    }
+    uint64_t sum = 0;
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
+        if (ggml_backend_buft_is_host(buft)) {
+            sum += mb.compute;
+        }
+    }
+    llama_free(ctx);
+    llama_model_free(model);
+    *bytes = sum;
+    return 0;
+}

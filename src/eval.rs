@@ -32,7 +32,7 @@ pub struct EvalResult {
     pub logits: Vec<f32>,
 }
 
-extern "C" fn quiet_log(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
+pub(crate) extern "C" fn quiet_log(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
     if level >= sys::GGML_LOG_LEVEL_ERROR {
         // SAFETY: ggml passes a NUL-terminated message.
         eprint!("{}", unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy());

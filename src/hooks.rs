@@ -53,10 +53,10 @@ extern "C" fn abort_requested(_: *mut c_void) -> bool {
     guard("abort_requested", runtime::abort_requested)
 }
 
-extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize) {
+extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize, logits: usize) {
     guard("compute_buffers", || {
         if let Some(rt) = runtime::get() {
-            rt.on_compute_buffers(bytes as u64);
+            rt.on_compute_buffers(bytes as u64, logits as u64);
         }
     })
 }
@@ -396,6 +396,23 @@ extern "C" fn moe_experts(
         // the callback and its leaked userdata live for the whole process.
         unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
     })
+}
+
+/// The compute buffers a context of the model at `path` reserves in host
+/// memory for these sizes, from its metadata (a no_alloc load: no tensor
+/// data is read); None if llama.cpp cannot load it.
+pub fn context_compute_bytes(path: &std::path::Path, n_ctx: u32, n_batch: u32, n_ubatch: u32) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut bytes = 0u64;
+    // SAFETY: c is a NUL-terminated path and bytes a valid out-pointer; the
+    // wrapper loads the model's metadata, creates and frees a context, and
+    // returns. Only warnings and errors are logged meanwhile.
+    let r = unsafe {
+        sys::llama_log_set(Some(crate::eval::quiet_log), std::ptr::null_mut());
+        sys::llama_backend_init();
+        sys::sdq_context_compute_bytes(c.as_ptr(), n_ctx, n_batch, n_ubatch, &mut bytes)
+    };
+    (r == 0).then_some(bytes)
 }
 
 /// What the projector at `path` takes once loaded on the CPU (weights and

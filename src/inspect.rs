@@ -153,6 +153,10 @@ pub struct RunPlan<'a> {
     pub n_ctx: Option<u64>,
     /// The tool's `--mmproj`: counted in full before the arena, as a run does.
     pub mmproj: Option<&'a Path>,
+    /// The tool's `-b` and `-ub` (default: 2048 and 512, the tools'): they
+    /// size the compute buffers, counted in full before the arena.
+    pub n_batch: Option<u32>,
+    pub n_ubatch: Option<u32>,
     /// A routing trace (`--sdq-trace`) to predict the arena's decode hit
     /// rate and bytes read per token from, replayed through `policy`.
     pub trace: Option<&'a Path>,
@@ -294,7 +298,17 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         let context = meta.context_bytes(&tensors.iter().map(|(_, t)| t.name.as_str()).collect::<Vec<_>>(), &first);
         let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
         let anon_estimate = resident_total + context + projector_bytes;
-        let held = budget::Held { anon: anon_estimate, mapped: 0 };
+        // A run counts its compute buffers as held before they are touched
+        // (patch 0006); they are llama.cpp's own figure for these sizes.
+        let (n_batch, n_ubatch) = (plan.n_batch.unwrap_or(2048), plan.n_ubatch.unwrap_or(512));
+        let n_ctx = u32::try_from(meta.n_ctx).unwrap_or(u32::MAX);
+        // A file llama.cpp cannot make a context of (it names why on stderr)
+        // is still accounted for from its metadata, without them.
+        // Less the share that gives every token of a ubatch its logits, as a
+        // run counts them (a generating tool asks for the last token's only).
+        let logits = u64::from(n_ubatch.min(n_batch)) * meta.n_vocab * 4;
+        let compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch.min(n_batch)).unwrap_or(0).saturating_sub(logits);
+        let held = budget::Held { anon: anon_estimate + compute, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
                 let slots = layout.plan_slots(arena, top_k).ok();
@@ -310,10 +324,12 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
                     "context_estimate_bytes": context,
                     "context_length": meta.n_ctx,
                     "projector_estimate_bytes": projector_bytes,
+                    "compute_buffers_bytes": compute,
+                    "ubatch": n_ubatch,
                     "arena_bytes": arena,
                     "slots": slots.map(|s| s.iter().map(|&(b, n)| json!({ "expert_bytes": b, "slots": n })).collect::<Vec<_>>()),
                     "token_cycles_held": arena as f64 / token_cycle as f64,
-                    "min_budget_bytes": anon_estimate + reserve + layout.min_arena_bytes(top_k),
+                    "min_budget_bytes": anon_estimate + compute + reserve + layout.min_arena_bytes(top_k),
                 })
             }
             Err(e) => json!({ "budget_bytes": budget, "reserve_bytes": reserve, "error": e.to_string() }),
@@ -407,7 +423,7 @@ pub fn render(r: &Value) -> String {
             line(format!("  {e}"));
         } else {
             line(format!(
-                "  anonymous memory after load (estimate: resident weights + {} of context at {} tokens{}) {}, arena {}, {:.1} token cycles",
+                "  anonymous memory after load (estimate: resident weights + {} of context at {} tokens{}) {}, compute buffers at -ub {} {}, arena {}, {:.1} token cycles",
                 human(u(&b["context_estimate_bytes"])),
                 u(&b["context_length"]),
                 match u(&b["projector_estimate_bytes"]) {
@@ -415,6 +431,8 @@ pub fn render(r: &Value) -> String {
                     p => format!(" + {} of projector", human(p)),
                 },
                 human(u(&b["anonymous_after_load_estimate_bytes"])),
+                u(&b["ubatch"]),
+                human(u(&b["compute_buffers_bytes"])),
                 human(u(&b["arena_bytes"])),
                 b["token_cycles_held"].as_f64().unwrap_or(0.0)
             ));

@@ -111,7 +111,9 @@ pub struct PromptRun {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct UbatchHint {
     pub ubatch: u64,
-    /// Bytes that ubatch would read, about (never below the touched bytes).
+    /// Bytes that ubatch would read, about: its ubatches each reading what
+    /// one of the run's read plus what the arena gives up for the larger
+    /// buffers (never below the touched bytes).
     pub reads: u64,
     /// Compute buffer bytes it needs beyond the run's ubatch, about.
     pub extra: u64,
@@ -133,8 +135,11 @@ impl PromptRun {
         candidates.into_iter().rev().find_map(|ubatch| {
             let steps = self.tokens.div_ceil(ubatch);
             let extra = (compute as f64 * (ubatch as f64 / self.ubatch as f64 - 1.0)) as u64;
-            let reads = ((self.bytes_read as f64 * steps as f64 / self.steps as f64) as u64).max(self.touched_bytes);
-            (steps < self.steps && extra <= headroom && reads < self.bytes_read).then_some(UbatchHint { ubatch, reads, extra })
+            // The arena gives the larger buffers their room: at worst each
+            // byte it loses is read again by every ubatch.
+            let per_step = self.bytes_read as f64 / self.steps as f64 + extra as f64;
+            let reads = ((per_step * steps as f64) as u64).max(self.touched_bytes);
+            (steps < self.steps && extra <= headroom && (reads as f64) < 0.8 * self.bytes_read as f64).then_some(UbatchHint { ubatch, reads, extra })
         })
     }
 }
@@ -254,13 +259,16 @@ mod tests {
         c.step_started(1, p(3200), now);
         let run = c.take_ended_run().expect("four ubatches");
         assert_eq!((run.steps, run.tokens, run.ubatch, run.bytes_read, run.touched_bytes), (4, 2000, 512, 3200, 800));
-        // Compute buffers of 100 MB at 512: 2,048 needs 300 MB more.
-        let h = run.ubatch_hint(100_000_000, 400_000_000).unwrap();
-        assert_eq!((h.ubatch, h.reads, h.extra), (2048, 800, 300_000_000));
-        // With room for 1,024 only: half the reads.
-        let h = run.ubatch_hint(100_000_000, 150_000_000).unwrap();
-        assert_eq!((h.ubatch, h.reads), (1024, 1600));
-        assert_eq!(run.ubatch_hint(100_000_000, 50_000_000), None, "no room for a larger ubatch");
+        // Compute buffers of 100 B at 512: 2,048 needs 300 B more, which the
+        // arena gives up and its one ubatch may read again.
+        let h = run.ubatch_hint(100, 400).unwrap();
+        assert_eq!((h.ubatch, h.reads, h.extra), (2048, 1100, 300));
+        // With room for 1,024 only: two ubatches of 800 + 100.
+        let h = run.ubatch_hint(100, 150).unwrap();
+        assert_eq!((h.ubatch, h.reads), (1024, 1800));
+        assert_eq!(run.ubatch_hint(100, 50), None, "no room for a larger ubatch");
+        // Buffers so large that what the arena gives up outweighs the saving.
+        assert_eq!(run.ubatch_hint(2_000, u64::MAX), None);
         // A run that read each expert about once has nothing to gain.
         let once = PromptRun { steps: 4, tokens: 2000, ubatch: 512, bytes_read: 900, touched_bytes: 800, ..PromptRun::default() };
         assert_eq!(once.ubatch_hint(0, u64::MAX), None);

@@ -307,8 +307,13 @@ impl Runtime {
         (layers().min().unwrap_or(0), layers().max().unwrap_or(0))
     }
 
-    /// A context reserved `bytes` of compute buffers in host memory.
-    pub fn on_compute_buffers(&self, bytes: u64) {
+    /// A context reserved `bytes` of compute buffers in host memory, of
+    /// which `logits` would hold every token's logits: a generating tool
+    /// asks for the last token's only, so that share is left to the
+    /// reserve (a tool that asks for all of them, llama-perplexity, needs a
+    /// reserve to match).
+    pub fn on_compute_buffers(&self, bytes: u64, logits: u64) {
+        let bytes = bytes.saturating_sub(logits);
         let rss = ProcMemory::read().rss_anon;
         log::debug!("a context reserved {} of compute buffers; the process holds {}", human(bytes), human(rss));
         let mut c = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());

@@ -216,6 +216,13 @@ struct InspectArgs {
     /// compute buffers are counted before the arena.
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// The tool's logical batch (its -b; default 2048, the tools').
+    #[arg(short = 'b', long = "batch-size")]
+    batch_size: Option<u32>,
+    /// The tool's physical batch (its -ub; default 512): with -b, sizes the
+    /// compute buffers counted before the arena.
+    #[arg(long = "ubatch-size", visible_alias = "ub")]
+    ubatch_size: Option<u32>,
     /// A routing trace (`--sdq-trace FILE` of an earlier run): with
     /// --ram-budget, predicts the arena's decode hit rate and MiB read per
     /// token by replaying it through the policy (--sdq-policy). A trace of
@@ -241,6 +248,8 @@ fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
         reserve: opts.reserve,
         n_ctx: a.ctx_size,
         mmproj: a.mmproj.as_deref(),
+        n_batch: a.batch_size,
+        n_ubatch: a.ubatch_size,
         trace: a.trace.as_deref(),
         policy: opts.policy,
         read_rate_mib_s: a.read_rate,

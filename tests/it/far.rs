@@ -83,7 +83,8 @@ fn inspect_predicts_the_live_run(model: &Path, tag: &str) {
         let budget = budget_for(&stats, 64 * MIB, (cycles * cycle as f64) as u64);
         let o = run(
             Command::new(bin("sdq"))
-                .args(["inspect", "--json", "-c", "512", "--ram-budget", &budget, "--sdq-reserve", "64M", "--trace", trace.to_str().unwrap()])
+                .args(["inspect", "--json", "-c", "512", "-b", "512", "--ubatch-size", "512", "--ram-budget", &budget, "--sdq-reserve", "64M"])
+                .args(["--trace", trace.to_str().unwrap()])
                 .arg(model),
             120,
         );

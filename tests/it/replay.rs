@@ -264,7 +264,7 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
 #[test]
 fn inspect_projects_a_trained_trace_onto_another_geometry() {
     let trace = trained_trace();
-    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "-c", "1024", "--ram-budget", "200M", "--sdq-reserve", "16M", "--read-rate", "800", "--trace"]).arg(&trace).arg(wide()), 60);
+    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "-c", "1024", "--ram-budget", "1G", "--sdq-reserve", "16M", "--read-rate", "800", "--trace"]).arg(&trace).arg(wide()), 60);
     assert!(o.status.success(), "{}", stderr(&o));
     let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
     let (b, p) = (&r["budget"], &r["budget"]["prediction"]);
@@ -281,7 +281,7 @@ fn inspect_projects_a_trained_trace_onto_another_geometry() {
     assert!((p["decode_mib_read_per_token"].as_f64().unwrap() - mib).abs() < 1e-6, "{p}: {mib}");
     assert!((p["read_bound_tokens_per_second"].as_f64().unwrap() - 800.0 / mib).abs() < 1e-6, "{p}");
     // The text report says it is a projection.
-    let o = run(Command::new(bin("sdq")).args(["inspect", "-c", "1024", "--ram-budget", "200M", "--sdq-reserve", "16M", "--trace"]).arg(&trace).arg(wide()), 60);
+    let o = run(Command::new(bin("sdq")).args(["inspect", "-c", "1024", "--ram-budget", "1G", "--sdq-reserve", "16M", "--trace"]).arg(&trace).arg(wide()), 60);
     assert!(stdout(&o).contains("a projection: another geometry's routing"), "{}", stdout(&o));
     // Bad input: a trace with no budget, a missing trace, a bad read rate.
     for (args, msg) in [

@@ -255,7 +255,7 @@ fn llama_server_answers_a_chat_request_with_an_image_under_a_budget() {
 fn sdq_inspect_counts_the_projector_before_the_arena() {
     let (model, mmproj) = vision_model();
     let inspect = |extra: &[&str]| {
-        let o = run(Command::new(bin("sdq")).arg("inspect").arg(model).args(["--ram-budget", "400M", "--json"]).args(extra), 120);
+        let o = run(Command::new(bin("sdq")).arg("inspect").arg(model).args(["--ram-budget", "1G", "--json"]).args(extra), 120);
         assert!(o.status.success(), "{}", stderr(&o));
         serde_json::from_str::<serde_json::Value>(&stdout(&o)).unwrap()
     };
