@@ -37,8 +37,10 @@ fn check_against_stock(model: &Path, tag: &str, experts_per_layer: u64) {
             assert_eq!(s["vm_swap_bytes"].as_u64(), Some(0), "{what}: swapped");
         }
         if flags == "defaults" {
-            // 1 MiB less than one layer's top-k: refused before the first token.
-            let budget = budget_for(&stats, reserve, min - MIB);
+            // Less than one layer's top-k: refused before the first token.
+            // (Half of it: what a run counts as held varies by a few MiB,
+            // with the compute buffer pages touched before it plans.)
+            let budget = budget_for(&stats, reserve, min / 2);
             let o = run(
                 Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap()]).args(&base).args(["--ram-budget", &budget, "--sdq-reserve", "64M"]),
                 300,
