@@ -224,8 +224,9 @@ struct InspectArgs {
     #[arg(long = "ubatch-size", visible_alias = "ub")]
     ubatch_size: Option<u32>,
     /// A routing trace (`--sdq-trace FILE` of an earlier run): with
-    /// --ram-budget, predicts the arena's decode hit rate and MiB read per
-    /// token by replaying it through the policy (--sdq-policy). A trace of
+    /// --ram-budget, predicts the arena's decode held rate (lookups that
+    /// need no read) and MiB read per token by replaying it through the
+    /// policy (--sdq-policy). A trace of
     /// another geometry is replayed at the same token cycles and scaled: a
     /// projection.
     #[arg(long)]
