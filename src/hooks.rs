@@ -164,8 +164,7 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
             part,
             kernels,
             layout,
-            // With the step's start: its first lookups are the gate's.
-            counts_tokens: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
+            // The step starts before its first lookups, which are the gate's.
             starts_step: matches!(part, Part::Gate | Part::GateUp) && layer == first_layer,
             ends_step: part == Part::Down && layer == last_layer,
         }))

@@ -300,14 +300,16 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         let anon_estimate = resident_total + context + projector_bytes;
         // A run counts its compute buffers as held before they are touched
         // (patch 0006); they are llama.cpp's own figure for these sizes.
-        let (n_batch, n_ubatch) = (plan.n_batch.unwrap_or(2048), plan.n_ubatch.unwrap_or(512));
+        // llama.cpp caps the ubatch at the batch.
+        let n_batch = plan.n_batch.unwrap_or(2048);
+        let n_ubatch = plan.n_ubatch.unwrap_or(512).min(n_batch);
         let n_ctx = u32::try_from(meta.n_ctx).unwrap_or(u32::MAX);
-        // A file llama.cpp cannot make a context of (it names why on stderr)
-        // is still accounted for from its metadata, without them.
         // Less the share that gives every token of a ubatch its logits, as a
         // run counts them (a generating tool asks for the last token's only).
-        let logits = u64::from(n_ubatch.min(n_batch)) * meta.n_vocab * 4;
-        let compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch.min(n_batch)).unwrap_or(0).saturating_sub(logits);
+        // A file llama.cpp cannot make a context of (it names why on stderr)
+        // is still accounted for from its metadata, without them.
+        let logits = u64::from(n_ubatch) * meta.n_vocab * 4;
+        let compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits);
         let held = budget::Held { anon: anon_estimate + compute, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {

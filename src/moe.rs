@@ -51,11 +51,10 @@ pub struct PagedMatmul {
     pub kernels: DotKernels,
     /// The weight's layout in the arena (stock's: plain or repacked).
     pub layout: WeightLayout,
-    /// True for the first paged layer's first matmul: it counts tokens.
-    pub counts_tokens: bool,
-    /// True for the first paged layer's first matmul (gate or gate_up), and
-    /// for the last paged layer's down: a step's paged work starts and ends.
+    /// True for the first paged layer's first matmul (gate or gate_up): it
+    /// counts the step's tokens and starts its paged work.
     pub starts_step: bool,
+    /// True for the last paged layer's down: the step's paged work ends.
     pub ends_step: bool,
 }
 
@@ -476,10 +475,8 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     // SwiGLU's first source, and it starts the batch's reads.
     let starts_layer = matches!(op.part, Part::Gate | Part::GateUp);
     let starts = || {
-        if op.counts_tokens {
-            rt.count_tokens(ids.ne[1] as u64);
-        }
         if op.starts_step {
+            rt.count_tokens(ids.ne[1] as u64);
             pager.step_started();
         }
     };

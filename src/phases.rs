@@ -86,8 +86,6 @@ pub struct PhaseClock {
     pub decode: PhaseTotals,
     /// The prompt steps since the last decode step.
     run: Option<PromptRun>,
-    /// The last prompt run of two or more ubatches, once a decode step ended it.
-    ended_run: Option<PromptRun>,
 }
 
 /// Consecutive prompt steps (ubatches of one prompt): their tokens, the
@@ -146,8 +144,9 @@ impl PromptRun {
 
 impl PhaseClock {
     /// A step of `tokens` tokens starts at `now`, with the pager's totals so
-    /// far `pager`; the step before it is closed.
-    pub fn step_started(&mut self, tokens: u64, pager: PagerTotals, now: Instant) {
+    /// far `pager`; the step before it is closed. A decode step ends the
+    /// prompt run, returned if it had two or more ubatches.
+    pub fn step_started(&mut self, tokens: u64, pager: PagerTotals, now: Instant) -> Option<PromptRun> {
         self.close(pager, now);
         self.open = Some(Open { decode: tokens == 1, tokens, started: now, at_start: pager, ended: None });
         if tokens > 1 {
@@ -155,8 +154,9 @@ impl PhaseClock {
             run.steps += 1;
             run.tokens += tokens;
             run.ubatch = run.ubatch.max(tokens);
+            None
         } else {
-            self.end_run(pager);
+            self.end_run(pager)
         }
     }
 
@@ -171,19 +171,12 @@ impl PhaseClock {
         }
     }
 
-    /// Ends the prompt run (at a decode step, or at exit); one of two or
-    /// more ubatches is kept for [`PhaseClock::take_ended_run`].
-    pub fn end_run(&mut self, pager: PagerTotals) {
-        if let Some(mut run) = self.run.take() {
-            run.bytes_read = pager.bytes_read.saturating_sub(run.bytes_at_start);
-            if run.steps >= 2 {
-                self.ended_run = Some(run);
-            }
-        }
-    }
-
-    pub fn take_ended_run(&mut self) -> Option<PromptRun> {
-        self.ended_run.take()
+    /// Ends the prompt run (at a decode step, or at exit): returned if it
+    /// had two or more ubatches.
+    pub fn end_run(&mut self, pager: PagerTotals) -> Option<PromptRun> {
+        let mut run = self.run.take().filter(|r| r.steps >= 2)?;
+        run.bytes_read = pager.bytes_read.saturating_sub(run.bytes_at_start);
+        Some(run)
     }
 
     /// The open step's last paged layer finished at `now`.
@@ -212,7 +205,7 @@ impl PhaseClock {
 
     /// The totals with the open step counted as if it closed at `now`.
     pub fn totals(&self, pager: PagerTotals, now: Instant) -> (PhaseTotals, PhaseTotals) {
-        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode, run: None, ended_run: None };
+        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode, run: None };
         c.close(pager, now);
         (c.prompt, c.decode)
     }
@@ -256,8 +249,7 @@ mod tests {
             c.step_started(tokens, p(i as u64 * 800), now);
             c.touched(0, &[0, 1, 2, 3, 4, 5, 6, 7], 100);
         }
-        c.step_started(1, p(3200), now);
-        let run = c.take_ended_run().expect("four ubatches");
+        let run = c.step_started(1, p(3200), now).expect("four ubatches");
         assert_eq!((run.steps, run.tokens, run.ubatch, run.bytes_read, run.touched_bytes), (4, 2000, 512, 3200, 800));
         // Compute buffers of 100 B at 512: 2,048 needs 300 B more, which the
         // arena gives up and its one ubatch may read again.
@@ -274,7 +266,6 @@ mod tests {
         assert_eq!(once.ubatch_hint(0, u64::MAX), None);
         // One ubatch is no run.
         c.step_started(300, p(0), now);
-        c.step_started(1, p(10), now);
-        assert!(c.take_ended_run().is_none());
+        assert!(c.step_started(1, p(10), now).is_none());
     }
 }

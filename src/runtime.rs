@@ -481,11 +481,7 @@ impl Runtime {
     /// paged layer), which starts that step's clock.
     pub fn count_tokens(&self, n: u64) {
         let totals = self.pager_totals();
-        let ended = {
-            let mut phases = self.lock_phases();
-            phases.step_started(n, totals, Instant::now());
-            phases.take_ended_run()
-        };
+        let ended = self.lock_phases().step_started(n, totals, Instant::now());
         if let Some(run) = ended {
             self.hint_ubatch(&run);
         }
@@ -506,17 +502,9 @@ impl Runtime {
         let Some((pager, plan)) = self.pager.get() else { return };
         let now = self.sample_memory().rss_anon;
         let peak = self.peak_rss_anon.load(Ordering::Relaxed).max(now);
-        // Compute buffers at this ubatch: what the process holds beyond its
-        // memory after load and the arena's resident pages.
-        // Compute buffers at this ubatch: the size its context reserved, or
-        // else what the process holds beyond its memory after load and the
-        // arena's resident pages.
-        let reserved = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner()).map_or(0, |c| c.0);
-        let compute = if reserved > 0 {
-            reserved
-        } else {
-            now.saturating_sub(plan.rss_anon_at_start).saturating_sub(pager.arena_resident_bytes().unwrap_or(0))
-        };
+        // Compute buffers at this ubatch: what its context reserved (every
+        // context reports them before its first graph).
+        let compute = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner()).map_or(0, |c| c.0);
         // The larger buffers must fit beside this run's peak, and a run
         // started with them must still pass the load-time minimum (after
         // load, the reserve and one layer's top-k).
@@ -590,11 +578,8 @@ impl Runtime {
             return true;
         }
         self.sample_memory();
-        let ended = {
-            let mut phases = self.lock_phases();
-            phases.end_run(self.pager_totals());
-            phases.take_ended_run()
-        };
+        let totals = self.pager_totals();
+        let ended = self.lock_phases().end_run(totals);
         if let Some(run) = ended {
             self.hint_ubatch(&run);
         }
