@@ -249,7 +249,8 @@ pub struct Recorder {
     out: BufWriter<File>,
     /// Set once the comment lines and the header are written.
     started: bool,
-    step: Option<u64>,
+    /// The open step and its phase, which its first layer decides.
+    step: Option<(u64, Phase)>,
 }
 
 impl Recorder {
@@ -283,16 +284,19 @@ impl Recorder {
     /// the first paged layer of a batch, which starts a new step. `rows`
     /// are (expert, weight) in token order.
     pub fn record(&mut self, first_layer: bool, phase: Phase, layer: u32, rows: impl IntoIterator<Item = (u32, f32)>) -> Result<()> {
-        let step = match (self.step, first_layer) {
-            (None, _) => 0,
-            (Some(s), true) => s + 1,
-            (Some(s), false) => s,
+        // A prompt's last layer may see its output rows alone (llama.cpp
+        // drops the others before that layer's FFN): the step keeps the
+        // phase its first layer had.
+        let (step, phase) = match (self.step, first_layer) {
+            (None, _) => (0, phase),
+            (Some((s, _)), true) => (s + 1, phase),
+            (Some((s, p)), false) => (s, p),
         };
         if first_layer && self.step.is_some() {
             // The last step is complete: a run cut short keeps every whole step.
             self.flush()?;
         }
-        self.step = Some(step);
+        self.step = Some((step, phase));
         let p = phase.letter();
         let mut text = String::new();
         for (expert, weight) in rows {
@@ -330,6 +334,9 @@ mod tests {
         r.record(false, Phase::Prompt, 1, [(0, 0.7), (1, 0.3), (0, 0.9), (1, 0.1)]).unwrap();
         r.record(true, Phase::Decode, 0, [(3, 0.5), (0, 0.5)]).unwrap();
         r.record(false, Phase::Decode, 1, [(2, 0.75), (3, 0.25)]).unwrap();
+        // A prompt whose last layer saw only its output row stays a prompt step.
+        r.record(true, Phase::Prompt, 0, [(1, 0.5), (2, 0.5), (0, 0.5), (3, 0.5)]).unwrap();
+        r.record(false, Phase::Decode, 1, [(2, 0.75), (3, 0.25)]).unwrap();
         r.flush().unwrap();
         let t = Trace::open(&path).unwrap();
         assert_eq!(t.top_k, 2);
@@ -342,7 +349,9 @@ mod tests {
                 (0, Phase::Prompt, 0, vec![1, 2, 3], 4),
                 (0, Phase::Prompt, 1, vec![0, 1], 4),
                 (1, Phase::Decode, 0, vec![0, 3], 2),
-                (1, Phase::Decode, 1, vec![2, 3], 2)
+                (1, Phase::Decode, 1, vec![2, 3], 2),
+                (2, Phase::Prompt, 0, vec![0, 1, 2, 3], 4),
+                (2, Phase::Prompt, 1, vec![2, 3], 2)
             ]
         );
         std::fs::remove_dir_all(&dir).unwrap();
