@@ -402,12 +402,24 @@ struct GenModelArgs {
     expert_type: Option<String>,
     /// Router preference for some experts: 0 = near-uniform routing (the worst case
     /// for a cache), 2 = trained-looking hot and cold experts.
-    #[arg(long, default_value_t = 2.0, allow_negative_numbers = true)]
-    router_skew: f32,
+    #[arg(long, allow_negative_numbers = true)]
+    router_skew: Option<f32>,
     /// How much of the earlier tokens the hidden states (and so the routers)
     /// carry: the scale of the attention output projections, 0.15 by default.
     #[arg(long)]
     context_gain: Option<f32>,
+    /// How strongly attention favours the last few tokens, so that a token
+    /// reuses some of its neighbours' experts as trained models do (0, the
+    /// default: not at all).
+    #[arg(long)]
+    recency: Option<f32>,
+    /// Routing as a whole: `skewed` (the default: --router-skew 2, hot and
+    /// cold experts, little reuse between neighbouring tokens) or `trained`
+    /// (the architecture's skew, context gain and recency calibrated against
+    /// a trained model's routing trace); --router-skew, --context-gain and
+    /// --recency given beside it win.
+    #[arg(long, default_value = "skewed")]
+    routing: String,
     #[arg(long, default_value_t = 1)]
     seed: u64,
     /// Quantizer threads (default: all cores).
@@ -457,9 +469,19 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
          full_attention_interval = full_attention_interval, n_layer_dense_lead = dense_layers);
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
-    spec.router_skew = a.router_skew;
+    match a.routing.as_str() {
+        "skewed" => {}
+        "trained" => (spec.router_skew, spec.context_gain, spec.recency) = spec.family().trained_routing,
+        other => return Err(sdq::Error::invalid(format!("--routing '{other}' is not skewed or trained"))),
+    }
+    if let Some(s) = a.router_skew {
+        spec.router_skew = s;
+    }
     if let Some(g) = a.context_gain {
         spec.context_gain = g;
+    }
+    if let Some(r) = a.recency {
+        spec.recency = r;
     }
     if let Some(t) = &a.expert_type {
         spec.expert_type = Some(

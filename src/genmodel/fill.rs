@@ -1,7 +1,7 @@
 //! Generating tensor values and quantizing them with ggml, in parallel chunks
 //! that are deterministic from the seed whatever the thread count.
 
-use super::spec::{Fill, ModelSpec, PlannedTensor};
+use super::spec::{Carrier, Fill, ModelSpec, PlannedTensor};
 use crate::ggml::quantize_rows;
 use std::collections::HashMap;
 use std::io;
@@ -52,6 +52,13 @@ fn shared_direction(spec: &ModelSpec) -> Vec<f32> {
     (0..spec.n_embd).map(|_| if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }).collect()
 }
 
+/// The latent direction a (entries ±1) that DeepSeek's query compression
+/// carries under recency.
+fn latent_direction(spec: &ModelSpec) -> Vec<f32> {
+    let mut rng = Rng::new(tensor_seed(spec.seed, "sdq.a"));
+    (0..spec.q_lora_rank).map(|_| if rng.next_u64() & 1 == 0 { 1.0 } else { -1.0 }).collect()
+}
+
 /// Per-expert router biases for one layer: normal quantiles in a per-layer random order.
 fn router_biases(spec: &ModelSpec, layer: u32) -> Vec<f32> {
     let n = spec.n_expert as usize;
@@ -69,6 +76,8 @@ fn router_biases(spec: &ModelSpec, layer: u32) -> Vec<f32> {
 struct FillContext {
     u: Vec<f32>,
     biases: Vec<f32>,
+    /// The latent direction, for fills that read or write it.
+    a: Vec<f32>,
 }
 
 impl FillContext {
@@ -78,10 +87,16 @@ impl FillContext {
             _ => Vec::new(),
         };
         let u = match fill {
-            Fill::Embedding { .. } | Fill::Router { .. } => shared_direction(spec),
+            Fill::Embedding { .. } | Fill::Router { .. } | Fill::LatentCarrier { .. } | Fill::Recency { carrier: Carrier::Shared, .. } => {
+                shared_direction(spec)
+            }
             _ => Vec::new(),
         };
-        FillContext { u, biases }
+        let a = match fill {
+            Fill::LatentCarrier { .. } | Fill::Recency { carrier: Carrier::Latent, .. } => latent_direction(spec),
+            _ => Vec::new(),
+        };
+        FillContext { u, biases, a }
     }
 
     /// Fills `out` with rows `first_row..` of a tensor whose rows are `n0` long.
@@ -105,6 +120,36 @@ impl FillContext {
                     let b = self.biases[(first_row as usize + r) % self.biases.len()];
                     for (x, u) in row.iter_mut().zip(&self.u) {
                         *x = std * rng.unit() + skew * b * u / n;
+                    }
+                }
+            }
+            Fill::Recency { std, gain, rows, carrier, query } => {
+                // An input of rms 1 projects about 0.7·len onto its carrier
+                // direction, so a fast row's output holds about 0.7·gain.
+                let dir = if carrier == Carrier::Shared { &self.u } else { &self.a };
+                let n = n0 as f32;
+                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
+                    // RoPE turns (x, y) at position p by p·θ; a key's (1, 0)
+                    // against a query's (cos θ, -sin θ) scores cos((1 - Δ)θ)
+                    // at a distance of Δ tokens.
+                    let g = match rows.fast_pair(first_row + r as i64) {
+                        None | Some((_, false)) if !query => 0.0,
+                        Some((_, true)) if !query => gain,
+                        None => 0.0,
+                        Some((angle, true)) => gain * angle.cos(),
+                        Some((angle, false)) => -gain * angle.sin(),
+                    };
+                    for (x, d) in row.iter_mut().zip(dir) {
+                        *x = std * rng.unit() + g * d / n;
+                    }
+                }
+            }
+            Fill::LatentCarrier { std, gain } => {
+                let n = n0 as f32;
+                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
+                    let g = gain * self.a[first_row as usize + r];
+                    for (x, u) in row.iter_mut().zip(&self.u) {
+                        *x = std * rng.unit() + g * u / n;
                     }
                 }
             }
@@ -143,7 +188,7 @@ impl<'a> TensorWriter<'a> {
     pub fn write(&mut self, t: &PlannedTensor, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
         let seed = tensor_seed(self.spec.seed, &t.name);
         let rows: i64 = t.ne[1..].iter().product();
-        let row_independent = !matches!(t.fill, Fill::Router { .. });
+        let row_independent = matches!(t.fill, Fill::Const(_) | Fill::Uniform(..) | Fill::Dense { .. } | Fill::Embedding { .. });
         let small_pool = (SMALL_POOL_ELEMS / t.ne[0]).max(256);
         if row_independent && rows > 2 * POOL_ROWS {
             self.write_pooled(t, seed, POOL_ROWS, sink)

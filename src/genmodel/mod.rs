@@ -7,7 +7,7 @@ mod mmproj;
 mod spec;
 
 pub use mmproj::{Projector, IMAGE_TOKENS};
-pub use spec::{Arch, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, Router, Shared, FAMILIES, PRESETS};
+pub use spec::{Arch, Carrier, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, RotaryRows, Router, Shared, FAMILIES, PRESETS};
 
 use crate::error::{Error, Result};
 use crate::gguf::{Array, Gguf, GgufBuilder, Value};
@@ -328,7 +328,7 @@ fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
         b.set(&k("attention.key_length_swa"), &u32v(spec.head_dim));
         b.set(&k("attention.value_length_swa"), &u32v(spec.head_dim));
         b.set(&k("rope.dimension_count_swa"), &u32v(spec.rope_dim()));
-        b.set(&k("rope.freq_base_swa"), &Value::F32(10_000.0));
+        b.set(&k("rope.freq_base_swa"), &Value::F32(spec::SWA_ROPE_FREQ_BASE));
         b.set(&k("embedding_length_per_layer_input"), &Value::U32(0));
         b.set(&k("final_logit_softcapping"), &Value::F32(30.0));
     }

@@ -123,6 +123,15 @@ pub struct Family {
     /// Rotary dimensions as a fraction of the head: 1/`rope_divisor`.
     pub rope_divisor: i64,
     pub rope_freq_base: f32,
+    /// RoPE rotates pairs (j, j + dims/2) (NeoX and its multi-section kin)
+    /// rather than (j, j + 1).
+    pub rope_neox: bool,
+    /// `sdq gen-model --routing trained`: the router skew, context gain and
+    /// recency whose replayed LRU and Bélády curves come closest to the
+    /// shared trained trace's, measured on the family at the tiny geometry
+    /// with 128 experts top-6 (`scripts/calibrate-routing`; docs/BENCHMARKS.md,
+    /// "Routing that looks trained"). Families not measured take qwen35moe's.
+    pub trained_routing: (f32, f32, f32),
     /// Experts and top-k the family always has (Mixtral's 8, top-2); None keeps the preset's.
     pub experts: Option<(i64, i64)>,
 }
@@ -149,6 +158,8 @@ const BASE: Family = Family {
     nextn: 0,
     rope_divisor: 1,
     rope_freq_base: 1_000_000.0,
+    rope_neox: true,
+    trained_routing: (1.0, 1.0, 0.0),
     experts: None,
 };
 
@@ -193,6 +204,7 @@ pub const FAMILIES: &[Family] = &[
         expert_bias: true,
         fused_allowed: false,
         rope_freq_base: 150_000.0,
+        trained_routing: (0.5, 1.0, 8.0),
         ..BASE
     },
     Family {
@@ -204,6 +216,8 @@ pub const FAMILIES: &[Family] = &[
         shared: Shared::Counted,
         dense_lead: 1,
         rope_freq_base: 10_000.0,
+        rope_neox: false,
+        trained_routing: (1.0, 0.5, 8.0),
         ..BASE
     },
     Family {
@@ -234,7 +248,15 @@ pub const FAMILIES: &[Family] = &[
         rope_freq_base: 1_000_000.0,
         ..BASE
     },
-    Family { arch: Arch::Llama, name: "llama", models: "Mixtral-8x7B, Mixtral-8x22B", fused_allowed: false, experts: Some((8, 2)), ..BASE },
+    Family {
+        arch: Arch::Llama,
+        name: "llama",
+        models: "Mixtral-8x7B, Mixtral-8x22B",
+        fused_allowed: false,
+        rope_neox: false,
+        experts: Some((8, 2)),
+        ..BASE
+    },
 ];
 
 impl Arch {
@@ -310,7 +332,62 @@ pub struct ModelSpec {
     /// the larger, the more of the earlier tokens each hidden state, and so
     /// each routing decision, carries.
     pub context_gain: f32,
+    /// How strongly attention favours the last few tokens (0: not at all, as
+    /// random weights do). Trained models reuse many of one token's experts
+    /// at the next; routing on random weights does not, because nothing in a
+    /// hidden state comes from its neighbours. Above 0, every attention
+    /// layer's queries and keys carry a constant on their fastest-turning
+    /// rotary pairs, so that RoPE alone makes each token attend to its
+    /// neighbours, and its routing shares some of theirs.
+    pub recency: f32,
     pub seed: u64,
+}
+
+/// Rotary pairs that carry the recency constant: the fastest-turning ones,
+/// of at least this angle a token, whose cosines fall off within a few tokens.
+pub const RECENCY_MIN_ANGLE: f32 = 0.2;
+
+/// RoPE's base on sliding-window layers (`rope.freq_base_swa`).
+pub const SWA_ROPE_FREQ_BASE: f32 = 10_000.0;
+
+/// The scale of the latent direction that DeepSeek's query compression
+/// carries, so that its expanded queries can carry the recency constant.
+pub const LATENT_CARRIER_GAIN: f32 = 2.0;
+
+/// Where a query or key projection's rotary rows sit: every `period` rows,
+/// `dims` rotated rows start at `offset`; `neox` pairs row j with j + dims/2,
+/// otherwise with j + 1; pair i turns base^(-2i/dims) radians a token.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct RotaryRows {
+    pub period: i64,
+    pub offset: i64,
+    pub dims: i64,
+    pub neox: bool,
+    pub base: f32,
+}
+
+impl RotaryRows {
+    /// If `row` belongs to one of the fast pairs: that pair's angle a token,
+    /// and whether the row is the pair's first.
+    pub fn fast_pair(&self, row: i64) -> Option<(f32, bool)> {
+        let d = row % self.period;
+        if d < self.offset || d >= self.offset + self.dims {
+            return None;
+        }
+        let (j, half) = (d - self.offset, self.dims / 2);
+        let (pair, first) = if self.neox { (j % half, j < half) } else { (j / 2, j % 2 == 0) };
+        let angle = self.base.powf(-2.0 * pair as f32 / self.dims as f32);
+        (angle >= RECENCY_MIN_ANGLE).then_some((angle, first))
+    }
+}
+
+/// The direction a recency projection reads its constant from.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Carrier {
+    /// The embeddings' shared direction u (the residual stream).
+    Shared,
+    /// DeepSeek's latent direction, which the query compression writes.
+    Latent,
 }
 
 /// The scale of projections into the residual stream, relative to
@@ -361,6 +438,7 @@ impl ModelSpec {
             expert_type: None,
             router_skew: 2.0,
             context_gain: RESIDUAL_GAIN,
+            recency: 0.0,
             seed: 1,
         };
         match name {
@@ -589,6 +667,9 @@ impl ModelSpec {
         if !(self.context_gain.is_finite() && (0.0..=4.0).contains(&self.context_gain)) {
             return bad(format!("context gain {} is outside 0..=4", self.context_gain));
         }
+        if !(self.recency.is_finite() && (0.0..=16.0).contains(&self.recency)) {
+            return bad(format!("recency {} is outside 0..=16", self.recency));
+        }
         if let Some(t) = self.expert_type {
             if !t.can_quantize() {
                 return bad(format!("ggml cannot quantize to {} without an importance matrix", t.name()));
@@ -671,6 +752,16 @@ pub enum Fill {
     /// A router: noise plus b_e·u with a per-layer permutation of normal
     /// quantiles b_e, which makes some experts far more popular than others.
     Router { std: f32, skew: f32, layer: u32 },
+    /// A query or key projection: noise, plus on the fastest rotary rows
+    /// `gain` times the carrier's direction, so those outputs are about the
+    /// same constant at every token. A key's pair holds (1, 0), a query's
+    /// the same turned back by one token's angle, so RoPE makes their score
+    /// peak at the previous token and fall off with distance: a
+    /// previous-token head.
+    Recency { std: f32, gain: f32, rows: RotaryRows, carrier: Carrier, query: bool },
+    /// DeepSeek's query compression: noise plus, in row j, `gain`·a_j·u, so
+    /// that its output carries the latent direction a at every token.
+    LatentCarrier { std: f32, gain: f32 },
 }
 
 /// One tensor of the plan.
@@ -716,6 +807,15 @@ impl ModelSpec {
         // embedding's shared direction (what routers key on) survives depth.
         let residual = |fan_in: i64| Fill::Dense { std: RESIDUAL_GAIN / (fan_in as f32).sqrt() };
         let mixer_out = |fan_in: i64| Fill::Dense { std: self.context_gain / (fan_in as f32).sqrt() };
+        // Queries and keys: with recency on, their fastest rotary rows carry a constant.
+        let neox = f.rope_neox;
+        let query_key = |fan_in: i64, rows: RotaryRows, carrier: Carrier, query: bool| {
+            if self.recency > 0.0 {
+                Fill::Recency { std: 1.0 / (fan_in as f32).sqrt(), gain: self.recency, rows, carrier, query }
+            } else {
+                dense(fan_in)
+            }
+        };
         let bias = Fill::Dense { std: 0.02 };
         let one = Fill::Const(1.0);
         let v = self.n_vocab as i64;
@@ -738,6 +838,8 @@ impl ModelSpec {
             };
             add(blk("attn_norm.weight"), f32t, vec![e], one.clone());
             let (hd, h, hkv) = (self.head_dim, self.n_head, self.n_head_kv);
+            let base = if self.is_swa(il) { SWA_ROPE_FREQ_BASE } else { f.rope_freq_base };
+            let rotary = |period: i64, offset: i64| RotaryRows { period, offset, dims: self.rope_dim(), neox, base };
             if self.is_recurrent(il) {
                 let (conv, vd, r) = (self.ssm_conv_dim(), self.ssm_value_dim(), self.ssm_v_heads);
                 add(blk("attn_qkv.weight"), q5k, vec![e, conv], dense(e));
@@ -759,16 +861,19 @@ impl ModelSpec {
                 let nope = hd - rope;
                 add(blk("attn_q_a_norm.weight"), f32t, vec![ql], one.clone());
                 add(blk("attn_kv_a_norm.weight"), f32t, vec![kvl], one.clone());
-                add(blk("attn_q_a.weight"), q4k, vec![e, ql], dense(e));
-                add(blk("attn_q_b.weight"), q4k, vec![ql, h * hd], dense(ql));
-                add(blk("attn_kv_a_mqa.weight"), q4k, vec![e, kvl + rope], dense(e));
+                let q_a = if self.recency > 0.0 { Fill::LatentCarrier { std: 1.0 / (e as f32).sqrt(), gain: LATENT_CARRIER_GAIN } } else { dense(e) };
+                add(blk("attn_q_a.weight"), q4k, vec![e, ql], q_a);
+                add(blk("attn_q_b.weight"), q4k, vec![ql, h * hd], query_key(ql, rotary(hd, nope), Carrier::Latent, true));
+                add(blk("attn_kv_a_mqa.weight"), q4k, vec![e, kvl + rope], query_key(e, rotary(kvl + rope, kvl), Carrier::Shared, false));
                 add(blk("attn_k_b.weight"), GgmlType::Q8_0, vec![nope, kvl, h], dense(nope));
                 add(blk("attn_v_b.weight"), attn_v_type(), vec![kvl, vdim, h], dense(kvl));
                 add(blk("attn_output.weight"), q4k, vec![h * vdim, e], mixer_out(h * vdim));
             } else {
                 let q_width = if f.gated_query { 2 * h * hd } else { h * hd };
-                add(blk("attn_q.weight"), q4k, vec![e, q_width], dense(e));
-                add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], dense(e));
+                // A gated query is [query, gate] per head.
+                let q_period = if f.gated_query { 2 * hd } else { hd };
+                add(blk("attn_q.weight"), q4k, vec![e, q_width], query_key(e, rotary(q_period, 0), Carrier::Shared, true));
+                add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], query_key(e, rotary(hd, 0), Carrier::Shared, false));
                 add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], dense(e));
                 if f.qkv_bias {
                     add(blk("attn_q.bias"), f32t, vec![q_width], bias.clone());

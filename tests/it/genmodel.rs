@@ -130,6 +130,8 @@ fn bad_geometry_is_a_clear_error() {
         (&["--vocab", "1000"][..], "smaller than the tokenizer"),
         (&["--expert-type", "q9_9"][..], "unknown ggml type 'q9_9'"),
         (&["--router-skew", "-1"][..], "router skew -1 is outside 0..=16"),
+        (&["--recency", "20"][..], "recency 20 is outside 0..=16"),
+        (&["--routing", "learned"][..], "--routing 'learned' is not skewed or trained"),
         (&["--preset", "gpt-oss-120b", "--arch", "qwen35moe"][..], "--arch qwen35moe conflicts with --preset gpt-oss-120b"),
         (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers leave no MoE layer of 2"),
         (&["--split-max-size", "0"][..], "--split-max-size: '0' is not a size"),
