@@ -332,13 +332,12 @@ pub struct ModelSpec {
     /// the larger, the more of the earlier tokens each hidden state, and so
     /// each routing decision, carries.
     pub context_gain: f32,
-    /// How strongly attention favours the last few tokens (0: not at all, as
-    /// random weights do). Trained models reuse many of one token's experts
-    /// at the next; routing on random weights does not, because nothing in a
-    /// hidden state comes from its neighbours. Above 0, every attention
-    /// layer's queries and keys carry a constant on their fastest-turning
-    /// rotary pairs, so that RoPE alone makes each token attend to its
-    /// neighbours, and its routing shares some of theirs.
+    /// How strongly attention favours the previous token (0: not at all, as
+    /// random weights do). Above 0, every attention layer's queries and keys
+    /// carry a constant on their fastest-turning rotary pairs, so that RoPE
+    /// alone makes a previous-token head. On gpt-oss and deepseek2 that is
+    /// what breaks greedy decoding's loops of a few tokens, whose experts
+    /// any cache of two token cycles holds (docs/BENCHMARKS.md).
     pub recency: f32,
     pub seed: u64,
 }
@@ -1033,6 +1032,21 @@ mod tests {
             let ty = s.plan().into_iter().find(|p| p.name == "blk.60.ffn_down_exps.weight").unwrap().ty;
             assert_eq!(ty.name(), t);
         }
+    }
+
+    #[test]
+    fn recency_takes_the_fastest_rotary_pairs_of_each_layout() {
+        // 64 rotary dims at base 10,000: pairs 0-5 turn at least 0.2 radian a token.
+        let neox = RotaryRows { period: 128, offset: 0, dims: 64, neox: true, base: 10_000.0 };
+        assert_eq!(neox.fast_pair(0), Some((1.0, true)));
+        assert_eq!(neox.fast_pair(32), Some((1.0, false)));
+        assert!(neox.fast_pair(5).is_some() && neox.fast_pair(6).is_none() && neox.fast_pair(38).is_none());
+        assert_eq!(neox.fast_pair(64), None, "rows past the rotary dims of a gated query's head");
+        assert_eq!(neox.fast_pair(128), Some((1.0, true)), "the next head");
+        // DeepSeek's query head: 128 dims without rope, then 64 with, in pairs (j, j + 1).
+        let norm = RotaryRows { period: 192, offset: 128, dims: 64, neox: false, base: 10_000.0 };
+        assert_eq!((norm.fast_pair(127), norm.fast_pair(128), norm.fast_pair(129)), (None, Some((1.0, true)), Some((1.0, false))));
+        assert!(norm.fast_pair(128 + 11).is_some() && norm.fast_pair(128 + 12).is_none());
     }
 
     #[test]
