@@ -645,7 +645,9 @@ unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, starts: i
             // This layer's misses are queued: now what the next layer will likely need.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
-                pager.prefetch(next, &predicted, layer);
+                if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
+                    pager.prefetch(next, &predicted, layer);
+                }
             }
             deferred
         } else {

@@ -63,6 +63,9 @@ impl Registry {
     }
 }
 
+/// Token cycles the arena must hold for the default to prefetch.
+pub const PREFETCH_MIN_CYCLES: f64 = 2.0;
+
 pub struct Runtime {
     pub options: Options,
     budget: u64,
@@ -259,6 +262,16 @@ impl Runtime {
         if let Some(layer) = layer {
             self.lock_registry().routers.insert(layer, tensor);
         }
+    }
+
+    /// Whether to read the next layer's predicted experts ahead: always or
+    /// never where `SDQ_PREFETCH` says, and by default only while the arena
+    /// holds at least [`PREFETCH_MIN_CYCLES`] token cycles. Below that a
+    /// prediction that misses evicts an expert this token or the next one
+    /// needs: on DeepSeek-V3 at 0.55 and 1.64 cycles, prefetching read 44 %
+    /// and 54 % more bytes a token for no speed (docs/BENCHMARKS.md).
+    pub fn prefetch_worthwhile(&self, pager: &Pager, top_k: usize) -> bool {
+        self.options.prefetch.unwrap_or_else(|| pager.token_cycles(top_k) >= PREFETCH_MIN_CYCLES)
     }
 
     /// The next layer after `layer` with paged experts, and its router, if

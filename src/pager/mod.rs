@@ -403,6 +403,14 @@ impl Pager {
         self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= l * n_expert)
     }
 
+    /// How many tokens' experts the arena holds at `top_k` a layer: the
+    /// tightest slot class's slots over its layers' top-k.
+    pub fn token_cycles(&self, top_k: usize) -> f64 {
+        let layers = self.shared.layout.layers_per_class();
+        let classes = self.shared.arena.classes().iter().zip(layers).filter(|(_, l)| *l > 0);
+        classes.map(|(c, l)| c.count as f64 / (l * top_k.max(1)) as f64).fold(f64::INFINITY, f64::min)
+    }
+
     pub fn arena(&self) -> &Arena {
         &self.shared.arena
     }

@@ -282,7 +282,8 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     let budget = 160 * MIB;
     assert!(budget * 10 < size * 6, "budget {budget} not well below the model's {size} bytes");
     let stock = eval(model, "wide-stock", &["-n", "32", "--no-repack", "--ubatch", "1"]);
-    let paged = eval(model, "wide-paged", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"]);
+    // Prefetching on whatever the arena holds, so that its reads are counted too.
+    let paged = eval_env(model, "wide-paged", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "1")]);
     assert_eq!(paged.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0);
     let s = paged.stats.clone().unwrap();
@@ -329,6 +330,19 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     assert_eq!(max_abs_diff(&off.logits, &stock.logits), 0.0);
     let s = off.stats.unwrap();
     assert_eq!(u(&s, "prefetched"), 0, "{s}");
+    // By default, prefetching waits for an arena of two token cycles (the
+    // tightest slot class's slots over its layers' top-k): on at this
+    // budget's 2.7, off 10 MiB below it.
+    for (tag, mib, on) in [("default-prefetch", budget >> 20, true), ("default-no-prefetch", (budget >> 20) - 10, false)] {
+        let run = eval(model, &format!("wide-paged-{tag}"), &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(mib), "--sdq-reserve", "32M"]);
+        assert_eq!(run.json["tokens"], stock.json["tokens"]);
+        assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0);
+        let d = run.stats.unwrap();
+        let classes = d["slot_classes"].as_array().unwrap().iter().filter(|c| u(c, "layers") > 0);
+        let cycles = classes.map(|c| u(c, "slots") as f64 / (u(c, "layers") * u(&d, "top_k")) as f64).fold(f64::INFINITY, f64::min);
+        assert_eq!(cycles >= 2.0, on, "{mib} MiB: {cycles:.2} token cycles, not the side of two this test wants: {d}");
+        assert_eq!(u(&d, "prefetched") > 0, on, "{mib} MiB, {cycles:.2} token cycles: prefetched {}", u(&d, "prefetched"));
+    }
     let on = paged.stats.as_ref().unwrap();
     let n = |k: &str| u(on, k);
     eprintln!(
