@@ -115,44 +115,38 @@ impl FillContext {
             Fill::Router { std, skew, .. } => {
                 // A hidden state h (rms 1) has projection ≈ 0.7·n on u, so the
                 // term skew·b_e·u/n adds about 0.7·skew·b_e to expert e's logit.
-                let n = n0 as f32;
-                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
-                    let b = self.biases[(first_row as usize + r) % self.biases.len()];
-                    for (x, u) in row.iter_mut().zip(&self.u) {
-                        *x = std * rng.unit() + skew * b * u / n;
-                    }
-                }
+                noise_along(out, n0, rng, std, &self.u, |r| skew * self.biases[(first_row as usize + r) % self.biases.len()]);
             }
             Fill::Recency { std, gain, rows, carrier, query } => {
                 // An input of rms 1 projects about 0.7·len onto its carrier
                 // direction, so a fast row's output holds about 0.7·gain.
+                // RoPE turns (x, y) at position p by p·θ; a key's (1, 0)
+                // against a query's (cos θ, -sin θ) scores cos((1 - Δ)θ) at
+                // a distance of Δ tokens.
                 let dir = if carrier == Carrier::Shared { &self.u } else { &self.a };
-                let n = n0 as f32;
-                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
-                    // RoPE turns (x, y) at position p by p·θ; a key's (1, 0)
-                    // against a query's (cos θ, -sin θ) scores cos((1 - Δ)θ)
-                    // at a distance of Δ tokens.
-                    let g = match rows.fast_pair(first_row + r as i64) {
-                        None | Some((_, false)) if !query => 0.0,
-                        Some((_, true)) if !query => gain,
-                        None => 0.0,
-                        Some((angle, true)) => gain * angle.cos(),
-                        Some((angle, false)) => -gain * angle.sin(),
-                    };
-                    for (x, d) in row.iter_mut().zip(dir) {
-                        *x = std * rng.unit() + g * d / n;
-                    }
-                }
+                noise_along(out, n0, rng, std, dir, |r| match (rows.fast_pair(first_row + r as i64), query) {
+                    (None, _) | (Some((_, false)), false) => 0.0,
+                    (Some((_, true)), false) => gain,
+                    (Some((angle, true)), true) => gain * angle.cos(),
+                    (Some((angle, false)), true) => -gain * angle.sin(),
+                });
             }
             Fill::LatentCarrier { std, gain } => {
-                let n = n0 as f32;
-                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
-                    let g = gain * self.a[first_row as usize + r];
-                    for (x, u) in row.iter_mut().zip(&self.u) {
-                        *x = std * rng.unit() + g * u / n;
-                    }
-                }
+                noise_along(out, n0, rng, std, &self.u, |r| gain * self.a[first_row as usize + r]);
             }
+        }
+    }
+}
+
+/// Rows of `n0` values: noise of `std`, plus in row r (counted from `out`'s
+/// first) `gain(r)` times `dir` over its length. The fills that steer a
+/// projection's output along a direction: routers, recency, the latent carrier.
+fn noise_along(out: &mut [f32], n0: usize, rng: &mut Rng, std: f32, dir: &[f32], gain: impl Fn(usize) -> f32) {
+    let n = n0 as f32;
+    for (r, row) in out.chunks_exact_mut(n0).enumerate() {
+        let g = gain(r);
+        for (x, d) in row.iter_mut().zip(dir) {
+            *x = std * rng.unit() + g * d / n;
         }
     }
 }
