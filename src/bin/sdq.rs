@@ -413,11 +413,16 @@ struct GenModelArgs {
     /// default: not at all).
     #[arg(long)]
     recency: Option<f32>,
+    /// How much of the previous tokens' routing input each attention layer
+    /// carries forward, so that neighbouring tokens share experts (0, the
+    /// default: none).
+    #[arg(long)]
+    carry: Option<f32>,
     /// Routing as a whole: `skewed` (the default: --router-skew 2, hot and
     /// cold experts, little reuse between neighbouring tokens) or `trained`
-    /// (the architecture's skew, context gain and recency calibrated against
-    /// a trained model's routing trace); --router-skew, --context-gain and
-    /// --recency given beside it win.
+    /// (the architecture's skew, context gain, recency and carry calibrated
+    /// against a trained model's routing trace); --router-skew,
+    /// --context-gain, --recency and --carry given beside it win.
     #[arg(long, default_value = "skewed")]
     routing: String,
     #[arg(long, default_value_t = 1)]
@@ -471,7 +476,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     spec.seed = a.seed;
     match a.routing.as_str() {
         "skewed" => {}
-        "trained" => (spec.router_skew, spec.context_gain, spec.recency) = spec.family().trained_routing,
+        "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.family().trained_routing,
         other => return Err(sdq::Error::invalid(format!("--routing '{other}' is not skewed or trained"))),
     }
     if let Some(s) = a.router_skew {
@@ -482,6 +487,9 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     }
     if let Some(r) = a.recency {
         spec.recency = r;
+    }
+    if let Some(c) = a.carry {
+        spec.carry = c;
     }
     if let Some(t) = &a.expert_type {
         spec.expert_type = Some(

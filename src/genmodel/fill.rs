@@ -105,6 +105,22 @@ impl FillContext {
             Fill::Const(c) => out.fill(c),
             Fill::Uniform(lo, hi) => out.iter_mut().for_each(|x| *x = lo + (hi - lo) * rng.next_f32()),
             Fill::Dense { std } => out.iter_mut().for_each(|x| *x = std * rng.unit()),
+            Fill::DenseAfter { std, skip } => {
+                for row in out.chunks_exact_mut(n0) {
+                    for (c, x) in row.iter_mut().enumerate() {
+                        let v = std * rng.unit();
+                        *x = if (c as i64) < skip { 0.0 } else { v };
+                    }
+                }
+            }
+            Fill::Copy { std, gain, dims } => {
+                for (r, row) in out.chunks_exact_mut(n0).enumerate() {
+                    let r = first_row + r as i64;
+                    for (c, x) in row.iter_mut().enumerate() {
+                        *x = std * rng.unit() + if r < dims && c as i64 == r { gain } else { 0.0 };
+                    }
+                }
+            }
             Fill::Embedding { std, u_gain } => {
                 for row in out.chunks_exact_mut(n0) {
                     for (x, u) in row.iter_mut().zip(&self.u) {
@@ -112,10 +128,11 @@ impl FillContext {
                     }
                 }
             }
-            Fill::Router { std, skew, .. } => {
+            Fill::Router { std, skew, dims, .. } => {
                 // A hidden state h (rms 1) has projection ≈ 0.7·n on u, so the
                 // term skew·b_e·u/n adds about 0.7·skew·b_e to expert e's logit.
-                noise_along(out, n0, rng, std, &self.u, |r| skew * self.biases[(first_row as usize + r) % self.biases.len()]);
+                let noise = Noise { std, dims: dims as usize };
+                noise_along(out, n0, rng, noise, &self.u, |r| skew * self.biases[(first_row as usize + r) % self.biases.len()]);
             }
             Fill::Recency { std, gain, rows, carrier, query } => {
                 // An input of rms 1 projects about 0.7·len onto its carrier
@@ -124,7 +141,7 @@ impl FillContext {
                 // against a query's (cos θ, -sin θ) scores cos((1 - Δ)θ) at
                 // a distance of Δ tokens.
                 let dir = if carrier == Carrier::Shared { &self.u } else { &self.a };
-                noise_along(out, n0, rng, std, dir, |r| match (rows.fast_pair(first_row + r as i64), query) {
+                noise_along(out, n0, rng, Noise { std, dims: n0 }, dir, |r| match (rows.fast_pair(first_row + r as i64), query) {
                     (None, _) | (Some((_, false)), false) => 0.0,
                     (Some((_, true)), false) => gain,
                     (Some((angle, true)), true) => gain * angle.cos(),
@@ -132,22 +149,43 @@ impl FillContext {
                 });
             }
             Fill::LatentCarrier { std, gain } => {
-                noise_along(out, n0, rng, std, &self.u, |r| gain * self.a[first_row as usize + r]);
+                noise_along(out, n0, rng, Noise { std, dims: n0 }, &self.u, |r| gain * self.a[first_row as usize + r]);
             }
         }
     }
 }
 
-/// Rows of `n0` values: noise of `std`, plus in row r (counted from `out`'s
+/// Noise of `std` on a row's first `dims` columns, scaled up by
+/// sqrt(n0/dims) so that a dot product with it spreads as much as over the
+/// whole row; the rest of the row gets none (its draws are still taken, so
+/// the bytes with `dims` = n0 are what they were before `dims` existed).
+#[derive(Clone, Copy)]
+struct Noise {
+    std: f32,
+    dims: usize,
+}
+
+/// Rows of `n0` values: `noise`, plus in row r (counted from `out`'s
 /// first) `gain(r)` times `dir` over its length. The fills that steer a
 /// projection's output along a direction: routers, recency, the latent carrier.
-fn noise_along(out: &mut [f32], n0: usize, rng: &mut Rng, std: f32, dir: &[f32], gain: impl Fn(usize) -> f32) {
+fn noise_along(out: &mut [f32], n0: usize, rng: &mut Rng, noise: Noise, dir: &[f32], gain: impl Fn(usize) -> f32) {
     let n = n0 as f32;
+    let std = if noise.dims < n0 { noise.std * (n / noise.dims as f32).sqrt() } else { noise.std };
     for (r, row) in out.chunks_exact_mut(n0).enumerate() {
-        let g = gain(r);
-        for (x, d) in row.iter_mut().zip(dir) {
-            *x = std * rng.unit() + g * d / n;
+        for (c, x) in row.iter_mut().enumerate() {
+            let v = std * rng.unit();
+            *x = if c < noise.dims { v } else { 0.0 };
         }
+        if noise.dims < n0 {
+            // Restricted noise is also made orthogonal to `dir`, so that the
+            // constant part of every hidden state favours no expert: only
+            // `gain` does.
+            let d = &dir[..noise.dims];
+            let along = row[..noise.dims].iter().zip(d).map(|(x, d)| x * d).sum::<f32>() / d.iter().map(|d| d * d).sum::<f32>();
+            row[..noise.dims].iter_mut().zip(d).for_each(|(x, d)| *x -= along * d);
+        }
+        let g = gain(r);
+        row.iter_mut().zip(dir).for_each(|(x, d)| *x += g * d / n);
     }
 }
 
@@ -182,7 +220,7 @@ impl<'a> TensorWriter<'a> {
     pub fn write(&mut self, t: &PlannedTensor, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
         let seed = tensor_seed(self.spec.seed, &t.name);
         let rows: i64 = t.ne[1..].iter().product();
-        let row_independent = matches!(t.fill, Fill::Const(_) | Fill::Uniform(..) | Fill::Dense { .. } | Fill::Embedding { .. });
+        let row_independent = matches!(t.fill, Fill::Const(_) | Fill::Uniform(..) | Fill::Dense { .. } | Fill::DenseAfter { .. } | Fill::Embedding { .. });
         let small_pool = (SMALL_POOL_ELEMS / t.ne[0]).max(256);
         if row_independent && rows > 2 * POOL_ROWS {
             self.write_pooled(t, seed, POOL_ROWS, sink)

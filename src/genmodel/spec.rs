@@ -126,12 +126,13 @@ pub struct Family {
     /// RoPE rotates pairs (j, j + dims/2) (NeoX and its multi-section kin)
     /// rather than (j, j + 1).
     pub rope_neox: bool,
-    /// `sdq gen-model --routing trained`: the router skew, context gain and
-    /// recency whose replayed LRU and Bélády curves come closest to the
-    /// shared trained trace's, measured on the family at the tiny geometry
-    /// with 128 experts top-6 (`scripts/calibrate-routing`; docs/BENCHMARKS.md,
-    /// "Routing that looks trained"). Families not measured take qwen35moe's.
-    pub trained_routing: (f32, f32, f32),
+    /// `sdq gen-model --routing trained`: the router skew, context gain,
+    /// recency and carry whose replayed LRU and Bélády curves come closest
+    /// to the shared trained trace's, measured on the family at the tiny
+    /// geometry with 16 layers and 128 experts top-6
+    /// (`scripts/calibrate-routing`; docs/BENCHMARKS.md, "Routing that looks
+    /// trained"). Families not measured keep (1, 1, 0, 0).
+    pub trained_routing: (f32, f32, f32, f32),
     /// Experts and top-k the family always has (Mixtral's 8, top-2); None keeps the preset's.
     pub experts: Option<(i64, i64)>,
 }
@@ -159,7 +160,7 @@ const BASE: Family = Family {
     rope_divisor: 1,
     rope_freq_base: 1_000_000.0,
     rope_neox: true,
-    trained_routing: (1.0, 1.0, 0.0),
+    trained_routing: (1.0, 1.0, 0.0, 0.0),
     experts: None,
 };
 
@@ -176,6 +177,7 @@ pub const FAMILIES: &[Family] = &[
         shared: Shared::Gated,
         rope_divisor: 4,
         rope_freq_base: 10_000_000.0,
+        trained_routing: (0.5, 1.0, 0.0, 16.0),
         ..BASE
     },
     Family { arch: Arch::Qwen3Moe, name: "qwen3moe", models: "Qwen3-30B-A3B, Qwen3-235B-A22B", qk_norm: true, fused_allowed: false, ..BASE },
@@ -204,7 +206,7 @@ pub const FAMILIES: &[Family] = &[
         expert_bias: true,
         fused_allowed: false,
         rope_freq_base: 150_000.0,
-        trained_routing: (0.5, 1.0, 8.0),
+        trained_routing: (0.0, 1.0, 8.0, 2.5),
         ..BASE
     },
     Family {
@@ -217,7 +219,7 @@ pub const FAMILIES: &[Family] = &[
         dense_lead: 1,
         rope_freq_base: 10_000.0,
         rope_neox: false,
-        trained_routing: (1.0, 0.5, 8.0),
+        trained_routing: (1.0, 0.5, 8.0, 0.0),
         ..BASE
     },
     Family {
@@ -339,6 +341,14 @@ pub struct ModelSpec {
     /// what breaks greedy decoding's loops of a few tokens, whose experts
     /// any cache of two token cycles holds (docs/BENCHMARKS.md).
     pub recency: f32,
+    /// How much of the previous tokens' routing input each attention layer
+    /// carries into the current token's (0: none, the default). Above 0, the
+    /// routers read only a subspace of `head_dim` coordinates, the first KV
+    /// head's values copy it, the output projection writes them back scaled
+    /// by `carry`, and the output head ignores it. So neighbouring tokens
+    /// share part of their routing input, and so some of their experts, as
+    /// a trained model's do, without steering the next token.
+    pub carry: f32,
     pub seed: u64,
 }
 
@@ -438,6 +448,7 @@ impl ModelSpec {
             router_skew: 2.0,
             context_gain: RESIDUAL_GAIN,
             recency: 0.0,
+            carry: 0.0,
             seed: 1,
         };
         match name {
@@ -669,6 +680,16 @@ impl ModelSpec {
         if !(self.recency.is_finite() && (0.0..=16.0).contains(&self.recency)) {
             return bad(format!("recency {} is outside 0..=16", self.recency));
         }
+        if !(self.carry.is_finite() && (0.0..=16.0).contains(&self.carry)) {
+            return bad(format!("carry {} is outside 0..=16", self.carry));
+        }
+        if self.carry > 0.0 && self.family().mixer == Mixer::Latent {
+            return bad(format!(
+                "carry {} needs attention with its own value projection, which {}'s latent attention has not (use --recency)",
+                self.carry,
+                self.arch.name()
+            ));
+        }
         if let Some(t) = self.expert_type {
             if !t.can_quantize() {
                 return bad(format!("ggml cannot quantize to {} without an importance matrix", t.name()));
@@ -750,7 +771,19 @@ pub enum Fill {
     Embedding { std: f32, u_gain: f32 },
     /// A router: noise plus b_e·u with a per-layer permutation of normal
     /// quantiles b_e, which makes some experts far more popular than others.
-    Router { std: f32, skew: f32, layer: u32 },
+    /// With `dims` below the row length, the noise reads only the first
+    /// `dims` columns (scaled to the same logit spread): the routing subspace
+    /// that attention carries forward under `carry`.
+    Router { std: f32, skew: f32, layer: u32, dims: i64 },
+    /// Noise, with the first `skip` columns zero: the output head under
+    /// `carry`, blind to the routing subspace so that what attention carries
+    /// there moves routing and not the next token.
+    DenseAfter { std: f32, skip: i64 },
+    /// Noise plus `gain` at column r of row r for the first `dims` rows: a
+    /// projection that copies its input's first `dims` coordinates (a value
+    /// projection reading the routing subspace, or an output projection
+    /// writing head 0's values back into it).
+    Copy { std: f32, gain: f32, dims: i64 },
     /// A query or key projection: noise, plus on the fastest rotary rows
     /// `gain` times the carrier's direction, so those outputs are about the
     /// same constant at every token. A key's pair holds (1, 0), a query's
@@ -815,6 +848,9 @@ impl ModelSpec {
                 dense(fan_in)
             }
         };
+        // Under carry, the routing subspace: the first head_dim coordinates.
+        let route_dims = if self.carry > 0.0 { self.head_dim.min(e) } else { e };
+        let mut carried = false;
         let bias = Fill::Dense { std: 0.02 };
         let one = Fill::Const(1.0);
         let v = self.n_vocab as i64;
@@ -873,13 +909,23 @@ impl ModelSpec {
                 let q_period = if f.gated_query { 2 * hd } else { hd };
                 add(blk("attn_q.weight"), q4k, vec![e, q_width], query_key(e, rotary(q_period, 0), Carrier::Shared, true));
                 add(blk("attn_k.weight"), q4k, vec![e, hkv * hd], query_key(e, rotary(hd, 0), Carrier::Shared, false));
-                add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], dense(e));
+                // Only the first attention layer copies: later copies would
+                // carry what earlier ones carried, a sum over ever older tokens.
+                let copies = route_dims < e && !carried;
+                carried |= copies;
+                let v = if copies { Fill::Copy { std: 1.0 / (e as f32).sqrt(), gain: 1.0, dims: route_dims } } else { dense(e) };
+                add(blk("attn_v.weight"), attn_v_type(), vec![e, hkv * hd], v);
                 if f.qkv_bias {
                     add(blk("attn_q.bias"), f32t, vec![q_width], bias.clone());
                     add(blk("attn_k.bias"), f32t, vec![hkv * hd], bias.clone());
                     add(blk("attn_v.bias"), f32t, vec![hkv * hd], bias.clone());
                 }
-                add(blk("attn_output.weight"), q4k, vec![h * hd, e], mixer_out(h * hd));
+                let o = if copies {
+                    Fill::Copy { std: self.context_gain / ((h * hd) as f32).sqrt(), gain: self.carry, dims: route_dims }
+                } else {
+                    mixer_out(h * hd)
+                };
+                add(blk("attn_output.weight"), q4k, vec![h * hd, e], o);
                 if f.out_bias {
                     add(blk("attn_output.bias"), f32t, vec![e], bias.clone());
                 }
@@ -910,7 +956,7 @@ impl ModelSpec {
                 continue;
             }
             let (x, ff) = (self.n_expert, self.n_ff_exp);
-            add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il });
+            add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il, dims: route_dims });
             match f.router {
                 Router::Softmax => {}
                 Router::SoftmaxBias => add(blk("ffn_gate_inp.bias"), f32t, vec![x], bias.clone()),
@@ -955,7 +1001,8 @@ impl ModelSpec {
             }
         }
         add("output_norm.weight".into(), f32t, vec![e], one);
-        add("output.weight".into(), q6k, vec![e, v], dense(e));
+        let head = if route_dims < e { Fill::DenseAfter { std: 1.0 / (e as f32).sqrt(), skip: route_dims } } else { dense(e) };
+        add("output.weight".into(), q6k, vec![e, v], head);
         out
     }
 }
@@ -1032,6 +1079,26 @@ mod tests {
             let ty = s.plan().into_iter().find(|p| p.name == "blk.60.ffn_down_exps.weight").unwrap().ty;
             assert_eq!(ty.name(), t);
         }
+    }
+
+    /// Carry copies in the first attention layer only (qwen35moe's is layer
+    /// 3), routers read the head_dim-wide routing subspace, and the output
+    /// head is blind to it; without carry nothing of it is planned.
+    #[test]
+    fn carry_copies_once_into_a_subspace_the_output_head_skips() {
+        let mut spec = ModelSpec::preset("tiny").unwrap();
+        spec.carry = 4.0;
+        let plan = spec.plan();
+        let copies: Vec<&str> = plan.iter().filter(|t| matches!(t.fill, Fill::Copy { .. })).map(|t| t.name.as_str()).collect();
+        assert_eq!(copies, ["blk.3.attn_v.weight", "blk.3.attn_output.weight"]);
+        assert!(plan.iter().any(|t| t.name == "blk.7.attn_v.weight" && matches!(t.fill, Fill::Dense { .. })));
+        let dims = spec.head_dim;
+        assert!(plan.iter().filter(|t| t.name.ends_with("ffn_gate_inp.weight")).all(|t| matches!(t.fill, Fill::Router { dims: d, .. } if d == dims)));
+        assert!(plan.iter().any(|t| t.name == "output.weight" && t.fill == Fill::DenseAfter { std: 1.0 / (spec.n_embd as f32).sqrt(), skip: dims }));
+        spec.carry = 0.0;
+        let plain = spec.plan();
+        assert!(plain.iter().all(|t| !matches!(t.fill, Fill::Copy { .. } | Fill::DenseAfter { .. })));
+        assert!(plain.iter().filter(|t| t.name.ends_with("ffn_gate_inp.weight")).all(|t| matches!(t.fill, Fill::Router { dims: d, .. } if d == spec.n_embd)));
     }
 
     #[test]

@@ -27,7 +27,10 @@ const CASES: &[Case] = &[
     Case { name: "deepseek2", args: &["--arch", "deepseek2"], experts: 16, paged_layers: 3 },
     Case { name: "deepseek2-fused", args: &["--arch", "deepseek2", "--fused-gate-up"], experts: 16, paged_layers: 3 },
     // Routing calibrated to a trained model's (recency in the queries and
-    // keys: for gpt-oss and DeepSeek, its own fills of q/k and MLA's q_a/q_b/kv_a).
+    // keys: for gpt-oss and DeepSeek, its own fills of q/k and MLA's
+    // q_a/q_b/kv_a; carry in qwen35moe's and gpt-oss's first attention
+    // layer's values and output, a routing subspace, and an output head blind to it).
+    Case { name: "qwen35moe-trained", args: &["--arch", "qwen35moe", "--routing", "trained"], experts: 16, paged_layers: 4 },
     Case { name: "gpt-oss-trained", args: &["--arch", "gpt-oss", "--routing", "trained"], experts: 16, paged_layers: 4 },
     Case { name: "deepseek2-trained", args: &["--arch", "deepseek2", "--routing", "trained"], experts: 16, paged_layers: 3 },
     // One dense leading layer and a NextN block that llama.cpp skips.
@@ -101,6 +104,7 @@ family_tests! {
     gpt_oss_with_mxfp4_experts_is_identical_to_stock => "gpt-oss-mxfp4",
     deepseek2_is_identical_to_stock => "deepseek2",
     deepseek2_with_fused_gate_up_is_identical_to_stock => "deepseek2-fused",
+    qwen35moe_with_trained_routing_is_identical_to_stock => "qwen35moe-trained",
     gpt_oss_with_trained_routing_is_identical_to_stock => "gpt-oss-trained",
     deepseek2_with_trained_routing_is_identical_to_stock => "deepseek2-trained",
     glm4moe_with_a_nextn_block_is_identical_to_stock => "glm4moe",

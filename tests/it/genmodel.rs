@@ -131,6 +131,8 @@ fn bad_geometry_is_a_clear_error() {
         (&["--expert-type", "q9_9"][..], "unknown ggml type 'q9_9'"),
         (&["--router-skew", "-1"][..], "router skew -1 is outside 0..=16"),
         (&["--recency", "20"][..], "recency 20 is outside 0..=16"),
+        (&["--carry", "20"][..], "carry 20 is outside 0..=16"),
+        (&["--arch", "deepseek2", "--carry", "2"][..], "carry 2 needs attention with its own value projection, which deepseek2's latent"),
         (&["--routing", "learned"][..], "--routing 'learned' is not skewed or trained"),
         (&["--preset", "gpt-oss-120b", "--arch", "qwen35moe"][..], "--arch qwen35moe conflicts with --preset gpt-oss-120b"),
         (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers leave no MoE layer of 2"),

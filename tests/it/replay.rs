@@ -295,31 +295,35 @@ fn inspect_projects_a_trained_trace_onto_another_geometry() {
     }
 }
 
-/// Decode hit % of LRU and Bélády at 0.5, 1, 2, 4 and 8 token cycles.
+/// Decode hit % of LRU and Bélády at 0.5 to 8 token cycles.
 fn curves(trace: &Path) -> Vec<f64> {
-    let r = replay(trace, &["--cycles", "0.5,1,2,4,8", "--policy", "lru"]);
+    // Not at exactly 1 cycle: there LRU's hit rate is a cliff that the
+    // arena's rounding to whole slots decides (the trained trace: 6.1 % at
+    // 0.95 cycles, 29.4 % at 1.00, 35.4 % at 1.05).
+    let r = replay(trace, &["--cycles", "0.5,0.75,1.1,1.5,2,3,4,6,8", "--policy", "lru"]);
     let results = r["results"].as_array().unwrap();
     let lru = results.iter().map(|at| tally(at, "lru")["decode_hit_pct"].as_f64().unwrap());
     lru.chain(results.iter().map(|at| at["belady"]["decode_hit_pct"].as_f64().unwrap())).collect()
 }
 
 /// `sdq gen-model --routing trained` (issue 28, point 6): on the families
-/// that run far past RAM, a generated model's greedy decode replays closer
-/// to the trained trace than the skewed default, whose decode falls into a
-/// loop of a few tokens that any cache of 2 token cycles holds. Measured
-/// (scripts/calibrate-routing): largest difference 11.3 points (gpt-oss)
-/// and 8.2 (deepseek2), against 51.3 and 23.5 for the default.
+/// that run far past RAM and the target's, a generated model's greedy decode
+/// replays close to the trained trace, and closer than the skewed default
+/// (whose decode falls into a loop of a few tokens that any cache of 2 token
+/// cycles holds). Measured (scripts/calibrate-routing, 16 layers): largest
+/// difference over LRU and Bélády at 0.5-8 cycles 4.9 points (qwen35moe),
+/// 7.0 (gpt-oss) and 7.3 (deepseek2).
 #[test]
 fn trained_routing_replays_closer_to_a_trained_models_routing() {
     let trained = curves(&trained_trace());
     let prompt = "Explain how a mixture-of-experts model decides which experts handle each token.";
-    for arch in ["gpt-oss", "deepseek2"] {
+    for arch in ["qwen35moe", "gpt-oss", "deepseek2"] {
         let mut distance = Vec::new();
         for routing in ["skewed", "trained"] {
             let tag = format!("routing-{arch}-{routing}");
             let model = TempModel::generate(
                 &format!("{tag}.gguf"),
-                &["--preset", "tiny", "--arch", arch, "--experts", "128", "--top-k", "6", "--seed", "5", "--routing", routing],
+                &["--preset", "tiny", "--arch", arch, "--layers", "16", "--experts", "128", "--top-k", "6", "--seed", "5", "--routing", routing],
             );
             let trace = scratch().join(format!("{tag}.csv"));
             let o = run(
@@ -334,6 +338,6 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
             eprintln!("{arch}, {routing} routing: LRU and Bélády {c:.1?} (trained {trained:.1?}): largest difference {d:.1} points");
             distance.push(d);
         }
-        assert!(distance[1] <= 15.0 && distance[1] < distance[0], "{arch}: trained routing is {:.1} points from the trained trace, skewed {:.1}", distance[1], distance[0]);
+        assert!(distance[1] <= 8.0 && distance[1] < distance[0], "{arch}: trained routing is {:.1} points from the trained trace, skewed {:.1}", distance[1], distance[0]);
     }
 }
