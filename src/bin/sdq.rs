@@ -476,7 +476,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     spec.seed = a.seed;
     match a.routing.as_str() {
         "skewed" => {}
-        "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.family().trained_routing,
+        "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.trained_routing(),
         other => return Err(sdq::Error::invalid(format!("--routing '{other}' is not skewed or trained"))),
     }
     if let Some(s) = a.router_skew {

@@ -349,6 +349,11 @@ pub struct ModelSpec {
     /// share part of their routing input, and so some of their experts, as
     /// a trained model's do, without steering the next token.
     pub carry: f32,
+    /// A preset's own `--routing trained` setting, where it was calibrated
+    /// at its full geometry (None: the family's, from the tiny geometry).
+    /// Routing reuse grows with depth and width, so a full-size model's can
+    /// land far from the tiny one's on the same setting.
+    pub preset_trained_routing: Option<(f32, f32, f32, f32)>,
     pub seed: u64,
 }
 
@@ -449,6 +454,7 @@ impl ModelSpec {
             context_gain: RESIDUAL_GAIN,
             recency: 0.0,
             carry: 0.0,
+            preset_trained_routing: None,
             seed: 1,
         };
         match name {
@@ -468,6 +474,10 @@ impl ModelSpec {
                 ssm_v_heads: 32,
                 ssm_head_dim: 128,
                 context_length: 262_144,
+                // Calibrated at full size (scripts/calibrate-routing --preset
+                // 35b-a3b): the family's tiny setting (carry 16) reused far
+                // more there.
+                preset_trained_routing: Some((0.5, 1.0, 0.0, 8.0)),
                 ..tiny
             }),
             "gpt-oss-120b" | "gpt-oss-20b" => {
@@ -488,6 +498,10 @@ impl ModelSpec {
                     sliding_window: 128,
                     context_length: 131_072,
                     expert_type: Some(GgmlType::MXFP4),
+                    // Calibrated at full depth (scripts/calibrate-routing
+                    // --preset gpt-oss-120b): the family's tiny setting
+                    // (0, 1, 8, 2.5) reused far more there.
+                    preset_trained_routing: (name == "gpt-oss-120b").then_some((0.0, 0.5, 8.0, 1.0)),
                     ..s
                 })
             }
@@ -524,6 +538,12 @@ impl ModelSpec {
     /// `tiny` and `35b-a3b` that `--arch` turns into any family.
     pub fn preset_is_a_model(name: &str) -> bool {
         matches!(name, "gpt-oss-120b" | "gpt-oss-20b" | "deepseek-v3")
+    }
+
+    /// The (router skew, context gain, recency, carry) of `--routing
+    /// trained`: the preset's own, else the family's.
+    pub fn trained_routing(&self) -> (f32, f32, f32, f32) {
+        self.preset_trained_routing.unwrap_or(self.family().trained_routing)
     }
 
     pub fn family(&self) -> &'static Family {
@@ -1079,6 +1099,19 @@ mod tests {
             let ty = s.plan().into_iter().find(|p| p.name == "blk.60.ffn_down_exps.weight").unwrap().ty;
             assert_eq!(ty.name(), t);
         }
+    }
+
+    /// `--routing trained` is calibrated per family at the tiny geometry and
+    /// per preset where a full-size model was measured.
+    #[test]
+    fn full_size_presets_keep_their_own_trained_routing() {
+        let mut tiny = ModelSpec::preset("tiny").unwrap();
+        assert_eq!(tiny.trained_routing(), (0.5, 1.0, 0.0, 16.0));
+        tiny.set_arch(Arch::GptOss);
+        assert_eq!(tiny.trained_routing(), (0.0, 1.0, 8.0, 2.5));
+        assert_eq!(ModelSpec::preset("gpt-oss-120b").unwrap().trained_routing(), (0.0, 0.5, 8.0, 1.0));
+        assert_eq!(ModelSpec::preset("35b-a3b").unwrap().trained_routing(), (0.5, 1.0, 0.0, 8.0));
+        assert_eq!(ModelSpec::preset("deepseek-v3").unwrap().trained_routing(), (1.0, 0.5, 8.0, 0.0));
     }
 
     /// Carry copies in the first attention layer only (qwen35moe's is layer
