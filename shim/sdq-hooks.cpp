@@ -35,6 +35,17 @@ bool sdq_abort_requested(void * data) {
     return h && h->abort_requested && h->abort_requested(h->user_data);
 }
 
+size_t sdq_report(int kind, char * buf, size_t len) {
+    const sdq_hooks * h = sdq_get_hooks();
+    if (!h || !h->report) {
+        if (buf && len > 0) {
+            buf[0] = 0;
+        }
+        return 0;
+    }
+    return h->report(h->user_data, kind, buf, len);
+}
+
 bool sdq_take_batch_error(char * buf, size_t len) {
     const sdq_hooks * h = sdq_get_hooks();
     return h && h->take_batch_error && h->take_batch_error(h->user_data, buf, len);

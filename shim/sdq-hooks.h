@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 9
+#define SDQ_HOOKS_VERSION 10
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -92,7 +92,20 @@ struct sdq_hooks {
      * of which `logits` hold every token's logits in the worst case reserved
      * (touched only by a batch asking for all of them). */
     void (*compute_buffers)(void * user_data, const void * ctx, size_t bytes, size_t logits);
+
+    /* Server: the pager's figures in format `kind` (SDQ_REPORT_*), written
+     * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
+     * Returns the text's whole length, as snprintf does. */
+    size_t (*report)(void * user_data, int kind, char * buf, size_t len);
 };
+
+enum sdq_report_kind {
+    SDQ_REPORT_PROMETHEUS = 0, /* counters and gauges, Prometheus text format */
+    SDQ_REPORT_PROPS = 1,      /* a JSON object: the budget and the arena */
+};
+
+/* The report hook, or 0 (nothing written) with no table installed. */
+size_t sdq_report(int kind, char * buf, size_t len);
 
 /* ggml abort callback (llama_set_abort_callback): the abort_requested hook,
  * or false with no table installed. */
@@ -187,6 +200,17 @@ int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total);
 int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes);
 
 #ifdef __cplusplus
+}
+
+#include <string>
+
+/* sdq_report as a string ("" with no table installed). */
+inline std::string sdq_report_string(int kind) {
+    // The figures may grow between the two calls; the slack keeps them whole.
+    std::string s(sdq_report(kind, nullptr, 0) + 256, '\0');
+    size_t n = sdq_report(kind, &s[0], s.size());
+    s.resize(n < s.size() ? n : s.size() - 1);
+    return n == 0 ? std::string() : s;
 }
 #endif
 

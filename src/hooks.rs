@@ -43,6 +43,7 @@ pub fn install() {
             abort_requested: Some(abort_requested),
             take_batch_error: Some(take_batch_error),
             compute_buffers: Some(compute_buffers),
+            report: Some(report),
         })
     });
     // SAFETY: the table is static, so it outlives every model.
@@ -74,6 +75,22 @@ extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> 
             *buf.add(n) = 0;
         }
         true
+    })
+}
+
+extern "C" fn report(_: *mut c_void, kind: i32, buf: *mut c_char, len: usize) -> usize {
+    guard("report", || {
+        let Some(kind) = crate::metrics::Report::from_c(kind) else { return 0 };
+        let Some(text) = runtime::get().map(|rt| rt.report(kind)) else { return 0 };
+        if len > 0 {
+            let n = text.len().min(len - 1);
+            // SAFETY: the caller passes a buffer of len bytes (or len 0); n + 1 <= len.
+            unsafe {
+                std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+                *buf.add(n) = 0;
+            }
+        }
+        text.len()
     })
 }
 

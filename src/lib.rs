@@ -22,6 +22,7 @@ pub mod hotset;
 pub mod hooks;
 pub mod inspect;
 pub mod limit;
+pub mod metrics;
 pub mod moe;
 pub mod options;
 pub mod pager;

@@ -677,6 +677,12 @@ impl Runtime {
         }
     }
 
+    /// The figures of the stats file in `report`'s format (llama-server's
+    /// `/metrics` and `/props`).
+    pub fn report(&self, report: crate::metrics::Report) -> String {
+        crate::metrics::render(report, &self.stats_json())
+    }
+
     fn stats_json(&self) -> serde_json::Value {
         use serde_json::json;
         let files = self.lock_registry().files.clone();

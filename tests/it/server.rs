@@ -297,3 +297,71 @@ fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() 
     assert_eq!(text.matches("the expert arena gives back").count(), 2, "one notice per change:\n{text}");
     assert_eq!(text.matches("the expert arena grows to").count(), 1, "{text}");
 }
+
+/// The `sdq_*` samples of a Prometheus text, by name; checks that each has
+/// its HELP and TYPE lines, and that counters (and only they) end in `_total`.
+fn sdq_samples(text: &str) -> std::collections::BTreeMap<String, f64> {
+    let mut samples = std::collections::BTreeMap::new();
+    for line in text.lines().filter(|l| l.starts_with("sdq_")) {
+        let (name, value) = line.split_once(' ').unwrap_or_else(|| panic!("bad sample line {line:?}"));
+        let kind = if name.ends_with("_total") { "counter" } else { "gauge" };
+        assert!(text.contains(&format!("# HELP {name} ")), "{name} has no HELP line:\n{text}");
+        assert!(text.contains(&format!("# TYPE {name} {kind}\n")), "{name} is not a {kind}:\n{text}");
+        assert!(samples.insert(name.to_string(), value.parse::<f64>().unwrap_or_else(|e| panic!("{line}: {e}"))).is_none(), "{name} twice");
+    }
+    samples
+}
+
+/// With `--metrics`, `/metrics` carries the pager's counters and gauges in
+/// Prometheus's text format, equal to the stats file's figures once the
+/// server is idle, failed reads included; `/props` shows the budget and the
+/// arena. Without a budget, both are stock's.
+#[test]
+fn metrics_and_props_show_the_pagers_figures() {
+    let model = tiny().to_str().unwrap();
+    let (stock_server, port) = start_server(&["-m", model, "--no-warmup", "--metrics"]);
+    let (code, text) = http(port, "GET", "/metrics", None).unwrap();
+    assert_eq!(code, 200, "{text}");
+    assert!(text.contains("llamacpp:") && !text.contains("sdq_"), "{text}");
+    let (_, props) = http(port, "GET", "/props", None).unwrap();
+    assert!(serde_json::from_str::<Value>(&props).unwrap().get("sdq").is_none(), "{props}");
+    drop(stock_server);
+
+    // Reads 150 to 199 fail every try, as in the test above: some requests fail.
+    let plan: Vec<String> = (150..200).map(|n| format!("eio@{n}")).collect();
+    let stats = scratch().join("server-metrics-stats.json");
+    let (server, port) = start_server_env(
+        &["-m", model, "--no-warmup", "--metrics", "--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()],
+        &[("SDQ_FAULT_READ", &plan.join(",")), ("SDQ_READ_BACKOFF_MS", "1"), ("SDQ_PRELOAD", "0")],
+    );
+    for i in 0..8 {
+        let body = format!(r#"{{"prompt":"Request {i} asks about rivers and {i} mountains","n_predict":16,"top_k":1}}"#);
+        http(port, "POST", "/completion", Some(&body)).expect("the server answers");
+    }
+    let (code, text) = http(port, "GET", "/metrics", None).unwrap();
+    assert_eq!(code, 200, "{text}");
+    assert!(text.contains("llamacpp:prompt_tokens_total"), "stock's metrics are kept:\n{text}");
+    let m = sdq_samples(&text);
+    let (_, props) = http(port, "GET", "/props", None).unwrap();
+    let props: Value = serde_json::from_str(&props).unwrap();
+    assert!(stop(server).success());
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    for (metric, key) in [
+        ("sdq_expert_hits_total", "hits"),
+        ("sdq_expert_misses_total", "misses"),
+        ("sdq_read_bytes_total", "bytes_read"),
+        ("sdq_reads_total", "reads"),
+        ("sdq_read_failures_total", "read_failures"),
+        ("sdq_read_retries_total", "read_retries"),
+        ("sdq_arena_shrinks_total", "arena_shrinks"),
+        ("sdq_arena_bytes", "arena_bytes"),
+        ("sdq_budget_bytes", "budget_bytes"),
+        ("sdq_expert_file_bytes", "expert_bytes_total"),
+    ] {
+        assert_eq!(m.get(metric).copied(), Some(u(&s, key) as f64), "{metric} against the stats' {key}:\n{text}\n{s}");
+    }
+    assert!(m["sdq_read_failures_total"] > 0.0 && m["sdq_expert_hits_total"] > 0.0 && m["sdq_paged"] == 1.0, "{text}");
+    assert_eq!(props["sdq"]["budget_bytes"], 1u64 << 30, "{props}");
+    assert_eq!(props["sdq"]["arena_bytes"], s["arena_bytes"], "{props}");
+    assert_eq!(props["sdq"]["paged"], true, "{props}");
+}
