@@ -266,12 +266,16 @@ impl Runtime {
 
     /// Whether to read the next layer's predicted experts ahead: always or
     /// never where `SDQ_PREFETCH` says, and by default only while the arena
-    /// holds at least [`PREFETCH_MIN_CYCLES`] token cycles. Below that a
-    /// prediction that misses evicts an expert this token or the next one
-    /// needs: on DeepSeek-V3 at 0.55 and 1.64 cycles, prefetching read 44 %
-    /// and 54 % more bytes a token for no speed (docs/BENCHMARKS.md).
+    /// holds at least [`PREFETCH_MIN_CYCLES`] token cycles and most
+    /// prefetched experts are used ([`crate::pager::gate`]). Below two
+    /// cycles a prediction that misses evicts an expert this token or the
+    /// next one needs: on DeepSeek-V3 at 0.55 and 1.64 cycles, prefetching
+    /// read 44 % and 54 % more bytes a token for no speed; on routing that
+    /// looks trained, a quarter of the predictions miss, and on gpt-oss-120b
+    /// at 2.9 and 5 cycles prefetching read a third more for the same speed
+    /// (docs/BENCHMARKS.md).
     pub fn prefetch_worthwhile(&self, pager: &Pager, top_k: usize) -> bool {
-        self.options.prefetch.unwrap_or_else(|| pager.token_cycles(top_k) >= PREFETCH_MIN_CYCLES)
+        self.options.prefetch.unwrap_or_else(|| pager.token_cycles(top_k) >= PREFETCH_MIN_CYCLES && pager.prefetch_pays())
     }
 
     /// The next layer after `layer` with paged experts, and its router, if

@@ -19,6 +19,7 @@
 //!   expert; once unpinned it holds none and its pages are the kernel's.
 
 pub mod arena;
+pub mod gate;
 pub mod io;
 pub mod layout;
 pub mod policy;
@@ -118,6 +119,8 @@ struct State {
     /// fills from the bottom of each class up). `Populate::Ahead` faults in
     /// a window beyond it.
     filled: Vec<usize>,
+    /// Whether reading ahead pays, from the share of prefetches used.
+    gate: gate::PrefetchGate,
 }
 
 impl State {
@@ -325,6 +328,7 @@ impl Pager {
             warm_read: 0,
             in_use: slots.to_vec(),
             filled: vec![0; slots.len()],
+            gate: gate::PrefetchGate::default(),
         };
         let shared = Arc::new(Shared {
             layout,
@@ -505,6 +509,14 @@ impl Pager {
         }
         drop(st);
         sh.submit(jobs, Lane::Spare);
+    }
+
+    /// Whether this layer's prefetch should run by default: while most
+    /// prefetched experts are used (see [`gate`]).
+    pub fn prefetch_pays(&self) -> bool {
+        let mut st = self.shared.lock();
+        let (prefetched, used) = st.counts.values().fold((0, 0), |(p, u), c| (p + c.prefetched, u + c.prefetch_used));
+        st.gate.admit(prefetched, used)
     }
 
     /// Starts reading every expert not yet in the arena into a free slot, in

@@ -666,3 +666,30 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     assert!((read(&after) as f64) < 0.8 * read(&before) as f64, "-ub {ub} read {} B of experts for the prompt, -ub 128 {}", read(&after), read(&before));
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
 }
+
+/// Prefetching stops by itself where its predictions miss (routing that
+/// looks trained: about 60 % of this model's forced prefetches are used),
+/// reads less than forced prefetching, and keeps stock's tokens and logits
+/// whichever way the gate goes.
+#[test]
+fn prefetch_stops_where_its_predictions_miss() {
+    let model = TempModel::generate(
+        "prefetch-gate.gguf",
+        &["--preset", "tiny", "--layers", "16", "--experts", "128", "--top-k", "6", "--seed", "5", "--routing", "trained"],
+    );
+    let prompt = "Explain how a mixture-of-experts model decides which experts handle each token.";
+    let args = ["-p", prompt, "-n", "128", "-c", "1024", "--ram-budget", "215M", "--sdq-reserve", "16M"];
+    let stock = eval(&model, "gate-stock", &["-p", prompt, "-n", "128", "-c", "1024"]);
+    let forced = eval_env(&model, "gate-forced", &args, &[("SDQ_PREFETCH", "1")]);
+    let gated = eval(&model, "gate-default", &args);
+    for run in [&forced, &gated] {
+        assert_eq!(run.json["tokens"], stock.json["tokens"]);
+        assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0);
+    }
+    let (f, g) = (forced.stats.unwrap(), gated.stats.unwrap());
+    let precision = u(&f, "prefetch_used") as f64 / u(&f, "prefetched").max(1) as f64;
+    assert!(u(&f, "prefetched") > 512 && precision < 0.85, "forced: {precision:.2} of {} prefetched used", u(&f, "prefetched"));
+    // The gate judges a window of 256, then probes one layer in 8.
+    assert!(u(&g, "prefetched") > 0 && u(&g, "prefetched") * 2 < u(&f, "prefetched"), "default prefetched {} against forced {}", u(&g, "prefetched"), u(&f, "prefetched"));
+    assert!(u(&g, "bytes_read") < u(&f, "bytes_read"), "default read {} against forced {}", u(&g, "bytes_read"), u(&f, "bytes_read"));
+}
