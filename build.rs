@@ -57,7 +57,8 @@ fn main() {
     // directory: the README's two commands build llama.cpp once.
     let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| target_dir(&out).join("llama"), PathBuf::from);
     fs::create_dir_all(&work).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", work.display())));
-    let src = stage_patched_tree(&root, &vendor, &work);
+    let ui = provision_ui(&vendor, &target_dir(&out).join("ui"));
+    let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
     let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
     compile_shims(&root);
     generate_bindings(&root, &src, &out, clang_includes.as_deref());
@@ -250,7 +251,67 @@ fn ensure_vendor(root: &Path, _pin: &Pin) -> PathBuf {
 /// Copies the vendored tree into a staging directory, applies patches/*.patch
 /// in order, then syncs the result into OUT_DIR/llama.cpp, rewriting only
 /// files whose bytes differ (so unchanged files keep their mtimes).
-fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path) -> PathBuf {
+/// llama-server's chat page: the pinned tree's `tools/ui` (a Svelte app)
+/// built with npm from its lockfile into `cache/dist`, once; later builds
+/// reuse it offline. Without npm, or when npm fails, one warning says the
+/// page is left out and why, and every tool still builds (llama-server then
+/// answers `/` with 404, as upstream's does built without its UI).
+fn provision_ui(vendor: &Path, cache: &Path) -> Option<PathBuf> {
+    let dist = cache.join("dist");
+    if dist.join("index.html").is_file() {
+        return Some(dist);
+    }
+    match build_ui(&vendor.join("tools/ui"), cache, &dist) {
+        Ok(()) => Some(dist),
+        Err(why) => {
+            println!("cargo:warning=llama-server's chat page is left out: {why}");
+            None
+        }
+    }
+}
+
+fn build_ui(ui: &Path, cache: &Path, dist: &Path) -> Result<(), String> {
+    let has_npm = Command::new("npm").arg("--version").output().is_ok_and(|o| o.status.success());
+    if !has_npm {
+        return Err("npm was not found (install Node.js and npm, then rebuild)".into());
+    }
+    let work = cache.join("build");
+    // Fresh sources each time; node_modules (the lockfile's packages) is kept.
+    if let Ok(entries) = fs::read_dir(&work) {
+        for entry in entries.flatten().filter(|e| e.file_name() != "node_modules") {
+            let p = entry.path();
+            let _ = if p.is_dir() { fs::remove_dir_all(&p) } else { fs::remove_file(&p) };
+        }
+    }
+    copy_tree(ui, &work, false);
+    let npm = |args: &[&str], env: &[(&str, &Path)]| -> Result<(), String> {
+        let out = Command::new("npm")
+            .args(args)
+            .envs(env.iter().copied())
+            .current_dir(&work)
+            .output()
+            .map_err(|e| format!("cannot run npm: {e}"))?;
+        if out.status.success() {
+            return Ok(());
+        }
+        let err = String::from_utf8_lossy(&out.stderr);
+        let last = err.lines().rev().find(|l| !l.trim().is_empty()).unwrap_or("no output");
+        Err(format!("`npm {}` failed in {} ({}): {last}", args.join(" "), work.display(), out.status))
+    };
+    if !work.join("node_modules/.package-lock.json").is_file() {
+        npm(&["ci", "--no-audit", "--no-fund", "--loglevel=error"], &[])?;
+    }
+    let tmp = cache.join("dist.tmp");
+    let _ = fs::remove_dir_all(&tmp);
+    npm(&["run", "build"], &[("LLAMA_UI_OUT_DIR", &tmp)])?;
+    if !tmp.join("index.html").is_file() {
+        return Err(format!("`npm run build` wrote no index.html into {}", tmp.display()));
+    }
+    let _ = fs::remove_dir_all(dist);
+    fs::rename(&tmp, dist).map_err(|e| format!("cannot move {} to {}: {e}", tmp.display(), dist.display()))
+}
+
+fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path, ui: Option<&Path>) -> PathBuf {
     let stage = out.join("llama.cpp.stage");
     let dest = out.join("llama.cpp");
     let _ = fs::remove_dir_all(&stage);
@@ -276,6 +337,11 @@ fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path) -> PathBuf {
         if !status.success() {
             fail(&format!("{} does not apply to the pinned llama.cpp", patch.display()));
         }
+    }
+
+    // The chat page's assets where upstream's build looks for pre-built ones.
+    if let Some(ui) = ui {
+        copy_tree(ui, &stage.join("tools/ui/dist"), false);
     }
 
     sync_tree(&stage, &dest);
