@@ -50,6 +50,8 @@ struct Registry {
     layouts: BTreeMap<String, WeightLayout>,
     /// Notices about layouts already printed.
     layout_notices: BTreeSet<String>,
+    /// The model (its first file) whose experts are paged: one per process.
+    paged_model: Option<PathBuf>,
 }
 
 impl Registry {
@@ -294,6 +296,19 @@ impl Runtime {
 
     pub fn on_paged_weight(&self, mut t: PagedTensor) {
         let mut r = self.lock_registry();
+        // The pager knows experts by layer and name: a second model's would
+        // be taken for the first's. Reloading the same model (llama-bench's
+        // next test) is fine.
+        let model = r.files.get(&0).cloned().unwrap_or_default();
+        match &r.paged_model {
+            Some(first) if *first != model => fatal(&format!(
+                "{}: a second model with routed experts in this process (the first is {}); under --ram-budget sdq pages one model's experts per process, so a draft model with experts (-md) or several models (llama-bench -m A -m B) is not supported yet",
+                model.display(),
+                first.display()
+            )),
+            Some(_) => {}
+            None => r.paged_model = Some(model),
+        }
         t.layout = r.layouts.get(&t.name).copied().unwrap_or(WeightLayout::Plain);
         // The arena holds experts in the layout of the first load; a later
         // load (llama-bench's next test) must want the same one.
