@@ -422,3 +422,35 @@ fn drafting_under_a_budget_answers_as_stock() {
     assert_eq!(o.status.code(), Some(1), "{text}");
     assert!(text.contains("a second model with routed experts") && text.contains(draft) && !text.contains("panicked"), "{text}");
 }
+
+/// The chat page: where the build had npm (it built the pinned tree's
+/// tools/ui into target/ui/dist), llama-server serves it at `/` as
+/// upstream's release does (gzip, to a browser that accepts it), and
+/// `--no-webui` turns it off; where the build left it out, `/` is 404.
+#[test]
+fn the_chat_page_is_served_at_the_root() {
+    use std::io::{Read, Write};
+    let built = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("target/ui/dist/index.html").is_file();
+    let get_root = |port: u16| -> String {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        write!(s, "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nAccept-Encoding: gzip\r\nConnection: close\r\n\r\n").unwrap();
+        let mut head = Vec::new();
+        let _ = s.read_to_end(&mut head);
+        let end = head.windows(4).position(|w| w == b"\r\n\r\n").unwrap_or(head.len());
+        String::from_utf8_lossy(&head[..end]).to_lowercase()
+    };
+    let model = tiny().to_str().unwrap();
+    let (server, port) = start_server(&["-m", model, "--no-warmup", "--ram-budget", "1G"]);
+    let head = get_root(port);
+    drop(server);
+    if built {
+        assert!(head.starts_with("http/1.1 200") && head.contains("content-type: text/html") && head.contains("content-encoding: gzip"), "{head}");
+    } else {
+        assert!(head.starts_with("http/1.1 404"), "{head}");
+    }
+    let (server, port) = start_server(&["-m", model, "--no-warmup", "--ram-budget", "1G", "--no-webui"]);
+    let head = get_root(port);
+    drop(server);
+    assert!(head.starts_with("http/1.1 404"), "--no-webui: {head}");
+}
