@@ -65,15 +65,8 @@ extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize,
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
     guard("take_batch_error", || {
         let Some(msg) = runtime::take_batch_error() else { return false };
-        if len == 0 {
-            return true;
-        }
-        let n = msg.len().min(len - 1);
-        // SAFETY: the caller passes a buffer of len bytes; n + 1 <= len.
-        unsafe {
-            std::ptr::copy_nonoverlapping(msg.as_ptr(), buf.cast::<u8>(), n);
-            *buf.add(n) = 0;
-        }
+        // SAFETY: the caller passes a buffer of len bytes.
+        unsafe { write_c_string(&msg, buf, len) };
         true
     })
 }
@@ -82,16 +75,27 @@ extern "C" fn report(_: *mut c_void, kind: i32, buf: *mut c_char, len: usize) ->
     guard("report", || {
         let Some(kind) = crate::metrics::Report::from_c(kind) else { return 0 };
         let Some(text) = runtime::get().map(|rt| rt.report(kind)) else { return 0 };
-        if len > 0 {
-            let n = text.len().min(len - 1);
-            // SAFETY: the caller passes a buffer of len bytes (or len 0); n + 1 <= len.
-            unsafe {
-                std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
-                *buf.add(n) = 0;
-            }
-        }
+        // SAFETY: the caller passes a buffer of len bytes (or len 0).
+        unsafe { write_c_string(&text, buf, len) };
         text.len()
     })
+}
+
+/// Copies `text` into the C buffer `buf` of `len` bytes, cut to fit and
+/// NUL-terminated; nothing with `len` 0.
+///
+/// # Safety
+/// `buf` must be writable for `len` bytes (it may be null when `len` is 0).
+unsafe fn write_c_string(text: &str, buf: *mut c_char, len: usize) {
+    if len == 0 {
+        return;
+    }
+    let n = text.len().min(len - 1);
+    // SAFETY: n + 1 <= len bytes of buf, which the caller vouches for.
+    unsafe {
+        std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+        *buf.add(n) = 0;
+    }
 }
 
 /// # Safety
