@@ -57,7 +57,7 @@ fn main() {
     // directory: the README's two commands build llama.cpp once.
     let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| target_dir(&out).join("llama"), PathBuf::from);
     fs::create_dir_all(&work).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", work.display())));
-    let ui = provision_ui(&vendor, &target_dir(&out).join("ui"));
+    let ui = provision_ui(&root, &vendor, &tools, &target_dir(&out).join("ui"));
     let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
     let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
     compile_shims(&root);
@@ -159,18 +159,22 @@ impl BuildTools {
     /// The file `tool` needs from its wheel, fetching and unpacking the
     /// wheel once. `install` is the command that would install it instead.
     fn fetch(&self, tool: &str, install: &str) -> PathBuf {
+        self.try_fetch(tool, install).unwrap_or_else(|why| fail(&why))
+    }
+
+    fn try_fetch(&self, tool: &str, install: &str) -> Result<PathBuf, String> {
         let Some((_, [package, version, wheel, sha256, bytes, inner])) = self.tools.iter().find(|(t, _)| t == tool) else {
-            fail(&format!("{tool} is not installed and {} pins no wheel for it; install it ({install})", self.pin.display()))
+            return Err(format!("{tool} is not installed and {} pins no wheel for it; install it ({install})", self.pin.display()));
         };
         if env::consts::ARCH != "x86_64" || env::consts::OS != "linux" {
-            fail(&format!("{tool} is not installed, and its pinned wheel is for x86_64 Linux only; install it ({install})"));
+            return Err(format!("{tool} is not installed, and its pinned wheel is for x86_64 Linux only; install it ({install})"));
         }
         let dir = self.cache.join(format!("{package}-{version}"));
         let exe = dir.join(inner);
         if exe.is_file() {
-            return exe;
+            return Ok(exe);
         }
-        fs::create_dir_all(&self.cache).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", self.cache.display())));
+        fs::create_dir_all(&self.cache).map_err(|e| format!("cannot create {}: {e}", self.cache.display()))?;
         let file = self.cache.join(wheel);
         let verified = |f: &Path| {
             let size_ok = fs::metadata(f).is_ok_and(|m| m.len().to_string() == *bytes);
@@ -191,7 +195,7 @@ impl BuildTools {
                 .status()
                 .is_ok_and(|s| s.success());
             if !ok || !verified(&file) {
-                fail(&format!(
+                return Err(format!(
                     "{tool} is not installed and {package}=={version} ({wheel}, sha256 {sha256}) could not be fetched from PyPI with python3 -m pip; install {tool} ({install}) or give pip network access"
                 ));
             }
@@ -199,7 +203,7 @@ impl BuildTools {
         let _ = fs::remove_dir_all(&dir);
         let ok = Command::new("python3").args(["-m", "zipfile", "-e"]).arg(&file).arg(&dir).status().is_ok_and(|s| s.success());
         if !ok || !exe.is_file() {
-            fail(&format!("cannot unpack {} (python3 -m zipfile); install {tool} ({install})", file.display()));
+            return Err(format!("cannot unpack {} (python3 -m zipfile); install {tool} ({install})", file.display()));
         }
         // Zip archives keep no permissions: the wheel's programs must run.
         for sub in ["bin", "native"] {
@@ -207,7 +211,67 @@ impl BuildTools {
                 let _ = fs::set_permissions(f.path(), std::os::unix::fs::PermissionsExt::from_mode(0o755));
             }
         }
-        exe
+        Ok(exe)
+    }
+
+    /// Node.js and npm for the chat page: the machine's own where it has a
+    /// version the page's build tools accept (Vite: ^20.19 or >= 22.12),
+    /// else the pinned wheel's.
+    fn node(&self) -> Result<Node, String> {
+        let version = Command::new("node").arg("--version").output().ok().filter(|o| o.status.success());
+        let version = version.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        let accepted = |v: &str| {
+            let mut it = v.trim_start_matches('v').split('.').map(|n| n.parse::<u32>().unwrap_or(0));
+            let (major, minor) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+            (major == 20 && minor >= 19) || (major == 22 && minor >= 12) || major > 22
+        };
+        let has_npm = Command::new("npm").arg("--version").output().is_ok_and(|o| o.status.success());
+        if version.as_deref().is_some_and(accepted) && has_npm {
+            return Ok(Node { node: PathBuf::from("node"), bin: None });
+        }
+        let why = match &version {
+            Some(v) if !accepted(v) => format!("the machine's Node.js {v} is older than the page's build accepts"),
+            Some(_) => "the machine has Node.js but no npm".to_string(),
+            None => "the machine has no Node.js".to_string(),
+        };
+        let node = self.try_fetch("node", "apt-get install nodejs npm, version 20.19 or later").map_err(|e| format!("{why}, and {e}"))?;
+        let bin = node.parent().expect("node in a directory").to_path_buf();
+        // The wheel's bin/npm is a copy of what was a symlink into
+        // lib/node_modules/npm, and finds nothing from bin/: npm's scripts
+        // run `npm` from PATH, so it becomes a script that runs npm's CLI.
+        let cli = bin.join("../lib/node_modules/npm/bin/npm-cli.js");
+        if !cli.is_file() {
+            return Err(format!("{why}, and the fetched Node.js at {} has no npm", node.display()));
+        }
+        let npm = bin.join("npm");
+        let script = "#!/bin/sh\nexec \"$(dirname \"$0\")/node\" \"$(dirname \"$0\")/../lib/node_modules/npm/bin/npm-cli.js\" \"$@\"\n";
+        if fs::read_to_string(&npm).ok().as_deref() != Some(script) {
+            fs::write(&npm, script).map_err(|e| format!("cannot write {}: {e}", npm.display()))?;
+            let _ = fs::set_permissions(&npm, std::os::unix::fs::PermissionsExt::from_mode(0o755));
+        }
+        Ok(Node { node, bin: Some(bin) })
+    }
+}
+
+/// The Node.js that builds the chat page.
+struct Node {
+    node: PathBuf,
+    /// The fetched Node.js's bin directory (node and npm), put first on PATH;
+    /// None: the machine's own.
+    bin: Option<PathBuf>,
+}
+
+impl Node {
+    fn npm(&self) -> Command {
+        match &self.bin {
+            None => Command::new("npm"),
+            Some(bin) => {
+                let mut c = Command::new(bin.join("npm"));
+                let path = env::var_os("PATH").unwrap_or_default();
+                c.env("PATH", env::join_paths(std::iter::once(bin.clone()).chain(env::split_paths(&path))).expect("PATH joins"));
+                c
+            }
+        }
     }
 }
 
@@ -248,21 +312,35 @@ fn ensure_vendor(root: &Path, _pin: &Pin) -> PathBuf {
     vendor
 }
 
-/// Copies the vendored tree into a staging directory, applies patches/*.patch
-/// in order, then syncs the result into OUT_DIR/llama.cpp, rewriting only
-/// files whose bytes differ (so unchanged files keep their mtimes).
 /// llama-server's chat page: the pinned tree's `tools/ui` (a Svelte app)
 /// built with npm from its lockfile into `cache/dist`, once; later builds
 /// reuse it offline. Without npm, or when npm fails, one warning says the
 /// page is left out and why, and every tool still builds (llama-server then
 /// answers `/` with 404, as upstream's does built without its UI).
-fn provision_ui(vendor: &Path, cache: &Path) -> Option<PathBuf> {
+fn provision_ui(root: &Path, vendor: &Path, tools: &BuildTools, cache: &Path) -> Option<PathBuf> {
     let dist = cache.join("dist");
-    if dist.join("index.html").is_file() {
+    // The page is rebuilt when the pin or a patch of tools/ui changes.
+    let patches = ui_patches(root);
+    let mut key = fs::read(root.join("vendor/llama.cpp.pin")).unwrap_or_default();
+    for p in &patches {
+        key.extend(fs::read(p).unwrap_or_default());
+    }
+    let key = format!("{:016x}\n", fnv1a(&key));
+    let key_file = cache.join("dist.key");
+    let node = tools.node();
+    if let Ok(node) = &node {
+        // The tests drive the page in a browser with the same Node.js.
+        println!("cargo:rustc-env=SDQ_NODE={}", node.node.display());
+    }
+    if dist.join("index.html").is_file() && fs::read_to_string(&key_file).ok().as_deref() == Some(key.as_str()) {
         return Some(dist);
     }
-    match build_ui(&vendor.join("tools/ui"), cache, &dist) {
-        Ok(()) => Some(dist),
+    let built = node.and_then(|node| build_ui(&vendor.join("tools/ui"), &patches, cache, &dist, &node));
+    match built {
+        Ok(()) => {
+            let _ = fs::write(&key_file, key);
+            Some(dist)
+        }
         Err(why) => {
             println!("cargo:warning=llama-server's chat page is left out: {why}");
             None
@@ -270,11 +348,20 @@ fn provision_ui(vendor: &Path, cache: &Path) -> Option<PathBuf> {
     }
 }
 
-fn build_ui(ui: &Path, cache: &Path, dist: &Path) -> Result<(), String> {
-    let has_npm = Command::new("npm").arg("--version").output().is_ok_and(|o| o.status.success());
-    if !has_npm {
-        return Err("npm was not found (install Node.js and npm, then rebuild)".into());
-    }
+/// The patches that change the chat page's source (they name tools/ui/).
+fn ui_patches(root: &Path) -> Vec<PathBuf> {
+    let mut patches: Vec<PathBuf> = fs::read_dir(root.join("patches")).into_iter().flatten().flatten().map(|e| e.path()).collect();
+    patches.retain(|p| p.extension().is_some_and(|e| e == "patch") && fs::read_to_string(p).is_ok_and(|t| t.contains("\n+++ b/tools/ui/")));
+    patches.sort();
+    patches
+}
+
+/// FNV-1a: a stable fingerprint of what the page is built from.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3))
+}
+
+fn build_ui(ui: &Path, patches: &[PathBuf], cache: &Path, dist: &Path, node: &Node) -> Result<(), String> {
     let work = cache.join("build");
     // Fresh sources each time; node_modules (the lockfile's packages) is kept.
     if let Ok(entries) = fs::read_dir(&work) {
@@ -284,8 +371,21 @@ fn build_ui(ui: &Path, cache: &Path, dist: &Path) -> Result<(), String> {
         }
     }
     copy_tree(ui, &work, false);
+    for patch in patches {
+        // Paths in the patch are tools/ui/…: strip a/tools/ui/.
+        let ok = Command::new("patch")
+            .args(["-p3", "--batch", "--forward", "--silent", "--no-backup-if-mismatch", "-i"])
+            .arg(patch)
+            .current_dir(&work)
+            .status()
+            .is_ok_and(|s| s.success());
+        if !ok {
+            return Err(format!("{} does not apply to the pinned tools/ui", patch.display()));
+        }
+    }
     let npm = |args: &[&str], env: &[(&str, &Path)]| -> Result<(), String> {
-        let out = Command::new("npm")
+        let out = node
+            .npm()
             .args(args)
             .envs(env.iter().copied())
             .current_dir(&work)
@@ -311,6 +411,9 @@ fn build_ui(ui: &Path, cache: &Path, dist: &Path) -> Result<(), String> {
     fs::rename(&tmp, dist).map_err(|e| format!("cannot move {} to {}: {e}", tmp.display(), dist.display()))
 }
 
+/// Copies the vendored tree into a staging directory, applies patches/*.patch
+/// in order, then syncs the result into OUT_DIR/llama.cpp, rewriting only
+/// files whose bytes differ (so unchanged files keep their mtimes).
 fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path, ui: Option<&Path>) -> PathBuf {
     let stage = out.join("llama.cpp.stage");
     let dest = out.join("llama.cpp");

@@ -1,6 +1,7 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
 mod archs;
+mod browser;
 mod badinput;
 mod families;
 mod far;

@@ -22,7 +22,7 @@ fn exit_within_30s(server: &mut KillOnDrop, what: &str) -> std::process::ExitSta
 
 /// Stops the server with SIGINT (its clean shutdown, which writes the
 /// stats) and returns its exit status.
-fn stop(mut server: KillOnDrop) -> std::process::ExitStatus {
+pub(crate) fn stop(mut server: KillOnDrop) -> std::process::ExitStatus {
     // SAFETY: signalling our own child by its pid.
     unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
     exit_within_30s(&mut server, "of SIGINT")
