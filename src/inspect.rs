@@ -44,8 +44,11 @@ const RECURRENT_BATCH_BYTES: u64 = 16 * MIB;
 
 /// The metadata the context estimate needs.
 struct ModelMeta {
-    /// Layers of the trunk (block_count less NextN blocks).
+    /// Layers of the trunk (block_count less NextN blocks): the layers a run
+    /// loads, unless it drafts with MTP.
     n_trunk: u32,
+    /// block_count, NextN blocks included.
+    n_blocks: u32,
     n_ctx: u64,
     n_vocab: u64,
     arch: String,
@@ -61,6 +64,7 @@ impl ModelMeta {
         };
         ModelMeta {
             n_trunk: blocks.saturating_sub(key("nextn_predict_layers").unwrap_or(0) as u32),
+            n_blocks: blocks,
             n_ctx: key("context_length").unwrap_or(4096),
             n_vocab,
             arch: arch.to_string(),
@@ -165,6 +169,9 @@ pub struct RunPlan<'a> {
     /// The disk's read rate in MiB/s (`sdq bench-disk`): the predicted
     /// bytes per token become a read-bound decode rate.
     pub read_rate_mib_s: Option<f64>,
+    /// MTP drafting (`--spec-type draft-mtp`): llama.cpp loads the NextN
+    /// block, whose experts are then paged and its other weights held.
+    pub mtp: bool,
 }
 
 /// The accounting of `model`, as JSON (the text report is rendered from it).
@@ -194,6 +201,12 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
     let mut meta = ModelMeta::read(&first, &arch);
     if let Some(n) = n_ctx.filter(|&n| n > 0) {
         meta.n_ctx = n;
+    }
+    // With MTP drafting the NextN block is loaded like a trunk layer (its
+    // KV cache, in the draft context, is one attention layer's too).
+    let n_nextn = meta.n_blocks.saturating_sub(meta.n_trunk);
+    if plan.mtp {
+        meta.n_trunk = meta.n_blocks;
     }
     let mut resident: BTreeMap<&str, u64> = CATEGORIES.iter().map(|c| (*c, 0)).collect();
     let mut paged = Vec::new();
@@ -225,6 +238,8 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         "resident_bytes": resident_total,
         "resident": resident,
         "nextn_skipped_bytes": nextn_bytes,
+        "nextn_blocks": n_nextn,
+        "nextn_loaded": plan.mtp && n_nextn > 0,
         "top_k": top_k,
     });
     if paged.is_empty() {
@@ -402,6 +417,9 @@ pub fn render(r: &Value) -> String {
             human(u(&w["per_layer_max_bytes"])),
             human(u(&w["token_cycle_bytes"]))
         ));
+    }
+    if r["nextn_loaded"] == true {
+        line(format!("NextN blocks   {:>14}    loaded for MTP drafting: their experts paged, the rest resident (counted above)", u(&r["nextn_blocks"])));
     }
     if u(&r["nextn_skipped_bytes"]) > 0 {
         line(format!(

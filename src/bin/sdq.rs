@@ -235,6 +235,11 @@ struct InspectArgs {
     /// MiB per token into the tokens per second reads alone allow.
     #[arg(long, value_name = "MIB_S")]
     read_rate: Option<f64>,
+    /// The tool's --spec-type: with `draft-mtp`, the NextN (MTP) block is
+    /// loaded, so its experts are paged and its other weights held, and
+    /// both are counted.
+    #[arg(long, value_name = "TYPES")]
+    spec_type: Option<String>,
 }
 
 fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
@@ -254,6 +259,7 @@ fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
         trace: a.trace.as_deref(),
         policy: opts.policy,
         read_rate_mib_s: a.read_rate,
+        mtp: a.spec_type.as_deref().is_some_and(|t| t.split(',').any(|t| t.trim() == "draft-mtp")),
     };
     let r = sdq::inspect::inspect_run(&a.model, &plan)?;
     if a.json {
@@ -365,6 +371,12 @@ struct GenModelArgs {
     /// Leading layers with a dense FFN instead of experts (deepseek2, glm4moe).
     #[arg(long)]
     dense_layers: Option<u32>,
+    /// NextN (multi-token prediction) blocks after the last layer, as
+    /// Qwen3.5/3.6 and GLM ship them: 0 or 1 (qwen35moe, glm4moe; the
+    /// family's default otherwise). llama.cpp loads one only for
+    /// `--spec-type draft-mtp`.
+    #[arg(long)]
+    nextn: Option<u32>,
     #[arg(long)]
     n_embd: Option<i64>,
     /// Attention heads (and --kv-heads, --head-dim).
@@ -471,7 +483,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     set!(n_layer = layers, n_embd = n_embd, n_head = heads, n_head_kv = kv_heads, head_dim = head_dim,
          n_expert = experts, n_expert_used = top_k, n_ff_exp = expert_ff, n_ff_shexp = shared_ff,
          n_vocab = vocab, context_length = context_length,
-         full_attention_interval = full_attention_interval, n_layer_dense_lead = dense_layers);
+         full_attention_interval = full_attention_interval, n_layer_dense_lead = dense_layers, n_nextn = nextn);
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
     match a.routing.as_str() {

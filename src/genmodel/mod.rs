@@ -323,7 +323,7 @@ fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
         b.set(&k("attention.sliding_window"), &Value::U32(spec.sliding_window));
     }
     if f.arch == Arch::Gemma4 {
-        let swa = (0..spec.n_layer).map(|il| spec.is_swa(il)).collect();
+        let swa = (0..spec.n_block()).map(|il| spec.is_swa(il)).collect();
         b.set(&k("attention.sliding_window_pattern"), &Value::Array(Array::Bool(swa)));
         b.set(&k("attention.key_length_swa"), &u32v(spec.head_dim));
         b.set(&k("attention.value_length_swa"), &u32v(spec.head_dim));
@@ -342,7 +342,7 @@ fn write_metadata(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
         if kind == Recurrent::Qwen35 {
             let sections = spec.rope_sections().expect("validated");
             b.set(&k("rope.dimension_sections"), &Value::Array(Array::I32(sections.to_vec())));
-            let recurrent = (0..spec.n_layer).map(|il| spec.is_recurrent(il)).collect();
+            let recurrent = (0..spec.n_block()).map(|il| spec.is_recurrent(il)).collect();
             b.set(&k("attention.recurrent_layers"), &Value::Array(Array::Bool(recurrent)));
         }
     }

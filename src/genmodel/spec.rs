@@ -612,6 +612,11 @@ impl ModelSpec {
             ("expert FFN", self.n_ff_exp),
             ("vocab", self.n_vocab as i64),
         ];
+        // llama.cpp builds a drafting graph from one NextN block (qwen35moe's
+        // MTP) or loads one (glm4moe); other families would ignore it.
+        if self.n_nextn > 1 || (self.n_nextn == 1 && !matches!(self.arch, Arch::Qwen35Moe | Arch::Glm4Moe)) {
+            return bad(format!("{} NextN blocks on {}: llama.cpp reads at most one, on qwen35moe or glm4moe only", self.n_nextn, f.name));
+        }
         for (name, v) in positive {
             if v <= 0 {
                 return bad(format!("{name} must be positive, got {v}"));

@@ -133,6 +133,8 @@ fn bad_geometry_is_a_clear_error() {
         (&["--recency", "20"][..], "recency 20 is outside 0..=16"),
         (&["--carry", "20"][..], "carry 20 is outside 0..=16"),
         (&["--arch", "deepseek2", "--carry", "2"][..], "carry 2 needs attention with its own value projection, which deepseek2's latent"),
+        (&["--arch", "gpt-oss", "--nextn", "1"][..], "1 NextN blocks on gpt-oss: llama.cpp reads at most one, on qwen35moe or glm4moe only"),
+        (&["--nextn", "2"][..], "2 NextN blocks on qwen35moe: llama.cpp reads at most one"),
         (&["--routing", "learned"][..], "--routing 'learned' is not skewed or trained"),
         (&["--preset", "gpt-oss-120b", "--arch", "qwen35moe"][..], "--arch qwen35moe conflicts with --preset gpt-oss-120b"),
         (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers leave no MoE layer of 2"),

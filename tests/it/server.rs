@@ -423,6 +423,53 @@ fn drafting_under_a_budget_answers_as_stock() {
     assert!(text.contains("a second model with routed experts") && text.contains(draft) && !text.contains("panicked"), "{text}");
 }
 
+/// MTP drafting (`--spec-type draft-mtp`) on a generated qwen35moe with a
+/// NextN block: under a budget whose arena holds about one and a half
+/// token cycles, the answers are stock's with the same flags; the block's
+/// experts are paged (its layer is in the stats) and counted as
+/// `sdq inspect --spec-type draft-mtp` counts them. Random weights draft
+/// tokens the trunk rarely accepts: the test is of the mechanics.
+#[test]
+fn mtp_drafting_under_a_budget_answers_as_stock() {
+    let model = gen_model("tiny-mtp.gguf", &["--preset", "tiny", "--seed", "1", "--nextn", "1"]);
+    let model = model.to_str().unwrap();
+    let prompts = ["The rivers and the mountains", "Count: one two three"];
+    let args = ["-m", model, "--no-warmup", "--metrics", "--spec-type", "draft-mtp"];
+    let answer = |port: u16| -> Vec<String> { prompts.iter().map(|p| greedy(port, p, 32)).collect() };
+    let (stock_server, port) = start_server(&args);
+    let stock = answer(port);
+    drop(stock_server);
+
+    let probe_stats = scratch().join("server-mtp-probe.json");
+    let (probe, _) = start_server(&[&args[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
+    assert!(stop(probe).success());
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, 6 * crate::pager::MIB);
+    let stats = scratch().join("server-mtp-stats.json");
+    let (server, port) =
+        start_server_env(&[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[("SDQ_PRELOAD", "0")]);
+    let paged = answer(port);
+    let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+    assert!(stop(server).success());
+    assert_eq!(paged, stock, "draft-mtp under a budget answered unlike stock");
+    let drafted = llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total");
+    assert!(drafted > 0.0, "nothing was drafted: {metrics}");
+
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(u(&s, "misses") > 0, "{s}");
+    let nextn = s["layers"].as_array().unwrap().iter().find(|l| u(l, "layer") == 8).unwrap_or_else(|| panic!("the NextN block (layer 8) is not paged: {s}"));
+    assert!(u(nextn, "hits") + u(nextn, "misses") > 0, "the NextN block's experts were never looked up: {nextn}");
+    let inspect = |extra: &[&str]| -> Value {
+        let o = run(Command::new(bin("sdq")).args(["inspect", "--json"]).args(extra).arg(model), 60);
+        assert!(o.status.success(), "{}", stderr(&o));
+        serde_json::from_str(&stdout(&o)).unwrap()
+    };
+    let (with, without) = (inspect(&["--spec-type", "draft-mtp"]), inspect(&[]));
+    assert_eq!(u(&with, "routed_expert_bytes"), u(&s, "expert_bytes_total"), "inspect --spec-type draft-mtp counts other experts than the run pages");
+    assert!(u(&without, "routed_expert_bytes") < u(&with, "routed_expert_bytes") && with["nextn_loaded"] == true, "{without}");
+    eprintln!("draft-mtp: {drafted} drafted, identical to stock; the NextN block's experts paged: {nextn}");
+}
+
 /// The chat page: where the build had npm (it built the pinned tree's
 /// tools/ui into target/ui/dist), llama-server serves it at `/` as
 /// upstream's release does (gzip, to a browser that accepts it), and
