@@ -52,6 +52,9 @@ struct Registry {
     layout_notices: BTreeSet<String>,
     /// The model (its first file) whose experts are paged: one per process.
     paged_model: Option<PathBuf>,
+    /// Another model (its first file) being loaded beside it, whose files
+    /// are not the pager's.
+    other_model: Option<PathBuf>,
 }
 
 impl Registry {
@@ -221,7 +224,15 @@ impl Runtime {
     }
 
     pub fn on_loader_file(&self, idx: u32, path: PathBuf) {
-        self.lock_registry().files.insert(idx, path);
+        let mut r = self.lock_registry();
+        // Another model loading beside the paged one (a draft model, -md):
+        // the pager reads by file index, so the paged model's files stay.
+        if idx == 0 {
+            r.other_model = r.paged_model.as_ref().filter(|m| **m != path).map(|_| path.clone());
+        }
+        if r.other_model.is_none() {
+            r.files.insert(idx, path);
+        }
     }
 
     /// True if the weight `name` of type `ty` is a routed expert to page. A
@@ -299,7 +310,7 @@ impl Runtime {
         // The pager knows experts by layer and name: a second model's would
         // be taken for the first's. Reloading the same model (llama-bench's
         // next test) is fine.
-        let model = r.files.get(&0).cloned().unwrap_or_default();
+        let model = r.other_model.clone().or_else(|| r.files.get(&0).cloned()).unwrap_or_default();
         match &r.paged_model {
             Some(first) if *first != model => fatal(&format!(
                 "{}: a second model with routed experts in this process (the first is {}); under --ram-budget sdq pages one model's experts per process, so a draft model with experts (-md) or several models (llama-bench -m A -m B) is not supported yet",

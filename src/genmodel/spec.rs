@@ -647,8 +647,9 @@ impl ModelSpec {
         if self.fused_gate_up && !f.fused_allowed {
             return bad(format!("{}'s loader does not accept fused gate/up experts", f.name));
         }
-        if self.n_layer_dense_lead >= self.n_layer {
-            return bad(format!("{} leading dense layers leave no MoE layer of {}", self.n_layer_dense_lead, self.n_layer));
+        // As many dense layers as layers: a dense model (a draft model, say).
+        if self.n_layer_dense_lead > self.n_layer {
+            return bad(format!("{} leading dense layers are more than the {} layers", self.n_layer_dense_lead, self.n_layer));
         }
         if self.n_ff_dense <= 0 || self.n_ff_dense % 32 != 0 {
             return bad(format!("dense FFN {} must be a positive multiple of 32", self.n_ff_dense));

@@ -137,7 +137,7 @@ fn bad_geometry_is_a_clear_error() {
         (&["--nextn", "2"][..], "2 NextN blocks on qwen35moe: llama.cpp reads at most one"),
         (&["--routing", "learned"][..], "--routing 'learned' is not skewed or trained"),
         (&["--preset", "gpt-oss-120b", "--arch", "qwen35moe"][..], "--arch qwen35moe conflicts with --preset gpt-oss-120b"),
-        (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers leave no MoE layer of 2"),
+        (&["--preset", "deepseek-v3", "--layers", "2"][..], "3 leading dense layers are more than the 2 layers"),
         (&["--split-max-size", "0"][..], "--split-max-size: '0' is not a size"),
         (&["--preset", "gpt-oss-120b", "--expert-type", "q4_K"][..], "expert rows of 2880 are not a multiple of q4_K's block of 256"),
     ] {

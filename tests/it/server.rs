@@ -411,6 +411,27 @@ fn drafting_under_a_budget_answers_as_stock() {
         assert!(s["paged"] == true && u(&s, "misses") > 0, "{flags:?}: {s}");
         eprintln!("{flags:?}: {drafted} drafted, {accepted} accepted, identical to stock");
     }
+    // A draft model without routed experts (-md, --spec-type draft-simple):
+    // its weights are held beside the paged model's, in the budget, and its
+    // files never taken for the paged model's.
+    let dense = TempModel::generate("draft-dense.gguf", &["--preset", "tiny", "--arch", "glm4moe", "--layers", "2", "--dense-layers", "2", "--nextn", "0"]);
+    let mut args = vec!["-m", model, "--no-warmup", "--metrics", "-md", dense.to_str().unwrap(), "--spec-type", "draft-simple", "--spec-draft-n-max", "4"];
+    let answer = |port: u16| -> Vec<String> { prompts.iter().map(|p| greedy(port, p, 32)).collect() };
+    let (stock_server, port) = start_server(&args);
+    let stock = answer(port);
+    drop(stock_server);
+    let stats = scratch().join("server-draft-model-stats.json");
+    args.extend_from_slice(&["--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]);
+    let (server, port) = start_server_env(&args, &[("SDQ_PRELOAD", "0")]);
+    let paged = answer(port);
+    let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+    assert!(stop(server).success());
+    assert_eq!(paged, stock, "-md with a dense draft model: answered unlike stock");
+    let (drafted, accepted) = (llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total"), llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total"));
+    assert!(drafted > 0.0 && accepted > 0.0, "-md: {drafted} drafted, {accepted} accepted");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 1 << 30, "{s}");
+
     // A draft model with routed experts is a second paged model, which the
     // pager cannot yet tell from the first (it answered unlike stock): under
     // a budget it is one clear error, never a wrong answer.
