@@ -455,6 +455,14 @@ struct GenModelArgs {
     /// model then gets the image tokens its template needs).
     #[arg(long)]
     mmproj: Option<PathBuf>,
+    /// Also write a LoRA adapter for this model here (`--lora` loads it): it
+    /// adapts the attention layers' value projections and the MoE layers'
+    /// up experts.
+    #[arg(long)]
+    lora: Option<PathBuf>,
+    /// The adapter's rank.
+    #[arg(long, default_value_t = sdq::genmodel::lora::DEFAULT_RANK)]
+    lora_rank: i64,
     /// The projector's vision tower: small (5 MB) or so400m (SigLIP-so400m,
     /// ~0.9 GB, the real one's size); default: so400m for --preset 35b-a3b.
     #[arg(long)]
@@ -523,6 +531,9 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         },
         None => None,
     };
+    if !(1..=256).contains(&a.lora_rank) {
+        return Err(sdq::Error::invalid(format!("--lora-rank {} is outside 1..=256", a.lora_rank)));
+    }
     if split_max_bytes.is_some() && a.mmproj.is_some() {
         return Err(sdq::Error::invalid("--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
     }
@@ -533,6 +544,10 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     if let Some(path) = &a.mmproj {
         let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() }, size)?;
         println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector, {size} tower) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
+    }
+    if let Some(path) = &a.lora {
+        let r = genmodel::generate_lora(&spec, &GenOptions { out: path.clone(), split_max_bytes: None, ..opts.clone() }, a.lora_rank)?;
+        println!("wrote {} ({} bytes, {} tensors, LoRA adapter of rank {}) in {:.1} s", r.path.display(), r.bytes, r.tensors, a.lora_rank, r.seconds);
     }
     let parts = if report.parts.len() > 1 { format!(", {} parts", report.parts.len()) } else { String::new() };
     println!(

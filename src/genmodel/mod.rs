@@ -3,6 +3,7 @@
 //! tensor data so a model of any size is written in bounded memory.
 
 mod fill;
+pub mod lora;
 mod mmproj;
 mod spec;
 
@@ -86,6 +87,17 @@ pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions, size: &str) -> Resul
     let plan = projector.plan();
     let mut builder = GgufBuilder::new(plan.len());
     projector.write_metadata(&mut builder);
+    write_file(spec, &plan, builder, opts)
+}
+
+/// Writes a LoRA adapter of rank `rank` for the model `spec` to `opts.out`.
+pub fn generate_lora(spec: &ModelSpec, opts: &GenOptions, rank: i64) -> Result<GenReport> {
+    if !(1..=256).contains(&rank) {
+        return Err(Error::invalid(format!("--lora-rank {rank} is outside 1..=256")));
+    }
+    let plan = lora::plan(spec, rank);
+    let mut builder = GgufBuilder::new(plan.len());
+    lora::write_metadata(spec, rank, &mut builder);
     write_file(spec, &plan, builder, opts)
 }
 

@@ -2,6 +2,7 @@
 
 mod archs;
 mod browser;
+mod endpoints;
 mod badinput;
 mod families;
 mod far;
