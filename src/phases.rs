@@ -96,6 +96,12 @@ pub struct PromptRun {
     pub tokens: u64,
     /// The largest step: the run's ubatch.
     pub ubatch: u64,
+    /// The last step's tokens.
+    last: u64,
+    /// A step after one smaller than the ubatch, or larger than an earlier
+    /// one: not one prompt's ubatches (which are all the ubatch but the
+    /// last) but, say, a draft's verification batches back to back.
+    uneven: bool,
     bytes_at_start: u64,
     pub bytes_read: u64,
     touched: HashSet<(u32, u32)>,
@@ -124,7 +130,7 @@ impl PromptRun {
     /// fit in `headroom`; None if the run read its experts about once
     /// already (at most 1.25 times the bytes it touched).
     pub fn ubatch_hint(&self, compute: u64, headroom: u64) -> Option<UbatchHint> {
-        if self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+        if self.uneven || self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
             return None;
         }
         let whole = self.tokens.div_ceil(256) * 256;
@@ -151,9 +157,11 @@ impl PhaseClock {
         self.open = Some(Open { decode: tokens == 1, tokens, started: now, at_start: pager, ended: None });
         if tokens > 1 {
             let run = self.run.get_or_insert_with(|| PromptRun { bytes_at_start: pager.bytes_read, ..PromptRun::default() });
+            run.uneven |= run.steps > 0 && (run.last < run.ubatch || tokens > run.ubatch);
             run.steps += 1;
             run.tokens += tokens;
             run.ubatch = run.ubatch.max(tokens);
+            run.last = tokens;
             None
         } else {
             self.end_run(pager)
@@ -267,5 +275,13 @@ mod tests {
         // One ubatch is no run.
         c.step_started(300, p(0), now);
         assert!(c.step_started(1, p(10), now).is_none());
+        // Verification batches of drafts back to back are no prompt's
+        // ubatches, however much they read.
+        for (i, tokens) in [9, 4, 9, 6].into_iter().enumerate() {
+            c.step_started(tokens, p(i as u64 * 800), now);
+            c.touched(0, &[0, 1], 100);
+        }
+        let run = c.step_started(1, p(3200), now).expect("four steps");
+        assert_eq!(run.ubatch_hint(0, u64::MAX), None, "{run:?}");
     }
 }
