@@ -30,6 +30,10 @@ pub struct ToolSettings {
     pub checkpoints: Option<i64>,
     /// `--parallel`, if set (-1 = auto).
     pub parallel: Option<i64>,
+    /// Speculative decoding is asked for (`--spec-type` other than `none`,
+    /// or a draft model): llama-server then keeps each slot's recurrent
+    /// state once more, to roll back rejected drafts.
+    pub speculative: bool,
 }
 
 fn flag_value(
@@ -85,8 +89,33 @@ impl ToolSettings {
                 getenv,
             )?,
             parallel: flag_value(args, &["-np", "--parallel"], "LLAMA_ARG_N_PARALLEL", getenv)?,
+            speculative: speculative(args, getenv),
         })
     }
+}
+
+/// Whether the tool drafts: `--spec-type` (or `LLAMA_ARG_SPEC_TYPE`) set to
+/// anything but `none`, or a draft model (`-md`, `--model-draft`,
+/// `LLAMA_ARG_MODEL_DRAFT`), as llama.cpp's parser reads them.
+fn speculative(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
+    let mut types: Option<String> = None;
+    let mut draft = false;
+    let mut it = args.iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--spec-type" => types = it.next().cloned(),
+            "-md" | "--model-draft" => draft |= it.next().is_some(),
+            _ => {
+                if let Some(v) = a.strip_prefix("--spec-type=") {
+                    types = Some(v.to_string());
+                }
+                draft |= a.starts_with("--model-draft=");
+            }
+        }
+    }
+    let types = types.or_else(|| getenv("LLAMA_ARG_SPEC_TYPE"));
+    draft |= getenv("LLAMA_ARG_MODEL_DRAFT").is_some_and(|v| !v.is_empty());
+    draft || types.is_some_and(|t| t.split(',').any(|t| !t.trim().is_empty() && t.trim() != "none"))
 }
 
 /// Bytes of one sequence's recurrent state (conv + SSM state, f32), summed
@@ -164,11 +193,13 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
             mib * MIB
         }
     };
+    // Drafting keeps one more copy of each slot's recurrent state.
+    let speculative = if settings.speculative { slots * checkpoint } else { 0 };
     let checkpoints = match settings.checkpoints {
         Some(n) => n.max(0) as u64,
         None if checkpoint == 0 => 0,
         None => {
-            let n = (reserve / 4 / (slots * checkpoint)).min(MAX_CHECKPOINTS);
+            let n = ((reserve / 4).saturating_sub(speculative) / (slots * checkpoint)).min(MAX_CHECKPOINTS);
             env.push(("LLAMA_ARG_CTX_CHECKPOINTS", n.to_string()));
             chosen.push(format!(
                 "--ctx-checkpoints {n} ({} each, {slots} slots)",
@@ -177,7 +208,7 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
             n
         }
     };
-    let bytes = cache + slots * checkpoints * checkpoint;
+    let bytes = cache + slots * checkpoints * checkpoint + speculative;
     // Three quarters of the reserve are for these; the last quarter stays free.
     let needed = bytes + reserve / 4;
     let (reserve, raised) = if needed > reserve {
@@ -194,8 +225,9 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
     }
     if raised {
         notice.push(format!(
-            "the reserve is raised to {} to hold the prompt cache and checkpoints asked for ({})",
+            "the reserve is raised to {} to hold the prompt cache and checkpoints asked for{} ({})",
             human(reserve),
+            if speculative > 0 { " and the recurrent state drafting keeps" } else { "" },
             human(bytes)
         ));
     }
@@ -245,7 +277,8 @@ mod tests {
             ToolSettings {
                 cache_ram_mib: Some(100),
                 checkpoints: Some(3),
-                parallel: Some(2)
+                parallel: Some(2),
+                speculative: false
             }
         );
         let s = settings(
@@ -261,7 +294,8 @@ mod tests {
             ToolSettings {
                 cache_ram_mib: Some(12),
                 checkpoints: None,
-                parallel: Some(-1)
+                parallel: Some(-1),
+                speculative: false
             }
         );
         assert!(settings(&["-cram", "lots"], &[])
@@ -305,11 +339,39 @@ mod tests {
     }
 
     #[test]
+    fn drafting_keeps_each_slots_recurrent_state_in_the_reserve() {
+        for (args, env, on) in [
+            (&["--spec-type", "ngram-simple"][..], &[][..], true),
+            (&["--spec-type=draft-mtp"][..], &[][..], true),
+            (&["-md", "draft.gguf"][..], &[][..], true),
+            (&["--spec-type", "none"][..], &[][..], false),
+            (&[][..], &[("LLAMA_ARG_SPEC_TYPE", "ngram-mod")][..], true),
+            (&[][..], &[][..], false),
+        ] {
+            assert_eq!(settings(args, env).unwrap().speculative, on, "{args:?} {env:?}");
+        }
+        // 4 GiB, one slot: a 256 MiB reserve held the cache (128 MiB) and one
+        // checkpoint; drafting's copy of the state takes the checkpoint's room.
+        let one = |speculative| ToolSettings { parallel: Some(1), speculative, ..Default::default() };
+        let without = plan(&one(false), 256 * MIB, REAL_CKPT).unwrap();
+        assert_eq!(without.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string()));
+        let with = plan(&one(true), 256 * MIB, REAL_CKPT).unwrap();
+        assert_eq!(with.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "0".to_string()));
+        assert_eq!(with.bytes, 128 * MIB + REAL_CKPT);
+        assert_eq!(with.reserve, 256 * MIB);
+        // Four slots' states do not fit: the reserve grows, and says why.
+        let four = plan(&ToolSettings { speculative: true, ..Default::default() }, 256 * MIB, REAL_CKPT).unwrap();
+        assert_eq!(four.bytes, 128 * MIB + 4 * REAL_CKPT);
+        assert!(four.reserve > 256 * MIB && four.notice.unwrap().contains("the recurrent state drafting keeps"));
+    }
+
+    #[test]
     fn user_settings_raise_the_reserve_or_are_refused() {
         let s = ToolSettings {
             cache_ram_mib: Some(2048),
             checkpoints: Some(2),
             parallel: Some(4),
+            speculative: false,
         };
         let p = plan(&s, 512 * MIB, REAL_CKPT).unwrap();
         assert!(p.env.is_empty());
@@ -320,6 +382,7 @@ mod tests {
             cache_ram_mib: Some(16),
             checkpoints: Some(0),
             parallel: None,
+            speculative: false,
         };
         let p = plan(&small, 512 * MIB, REAL_CKPT).unwrap();
         assert_eq!((p.reserve, p.notice), (512 * MIB, None));
