@@ -5,9 +5,10 @@
 //! Under a budget both must fit in the reserve, or the budget is a fiction.
 //!
 //! When the user sets neither, sdq sets them from the reserve: the prompt
-//! cache gets half of it and the checkpoints a quarter, which leaves a quarter
-//! for the rest of the growth after load (measured at 25–30 MiB on the
-//! 35B-A3B geometry). When the user sets them, the reserve grows to hold what
+//! cache gets half of it and the checkpoints a quarter (at least one per
+//! slot: none would change how the server splits a prompt, and so its
+//! answers), which leaves a quarter for the rest of the growth after load
+//! (measured at 25–30 MiB on the 35B-A3B geometry). When the user sets them, the reserve grows to hold what
 //! they asked for, with a notice; an unlimited cache cannot be held to any
 //! budget and is an error.
 
@@ -199,7 +200,10 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
         Some(n) => n.max(0) as u64,
         None if checkpoint == 0 => 0,
         None => {
-            let n = ((reserve / 4).saturating_sub(speculative) / (slots * checkpoint)).min(MAX_CHECKPOINTS);
+            // At least one: with none, llama-server splits a prompt
+            // otherwise than with any (it stops short of the end to take a
+            // checkpoint), and the answers part from stock's defaults.
+            let n = ((reserve / 4).saturating_sub(speculative) / (slots * checkpoint)).clamp(1, MAX_CHECKPOINTS);
             env.push(("LLAMA_ARG_CTX_CHECKPOINTS", n.to_string()));
             chosen.push(format!(
                 "--ctx-checkpoints {n} ({} each, {slots} slots)",
@@ -310,16 +314,19 @@ mod tests {
 
     #[test]
     fn defaults_fit_in_the_reserve() {
-        // 8 GiB: reserve 512 MiB, 4 slots of 65.9 MB fit no checkpoint in 128 MiB.
+        // 8 GiB: reserve 512 MiB, 4 slots of 65.9 MB fit no checkpoint in
+        // 128 MiB; one each is kept, and the reserve grows to hold it.
         let p = plan(&ToolSettings::default(), 512 * MIB, REAL_CKPT).unwrap();
-        assert_eq!(p.reserve, 512 * MIB);
         assert_eq!(
             p.env,
             vec![
                 ("LLAMA_ARG_CACHE_RAM", "256".to_string()),
-                ("LLAMA_ARG_CTX_CHECKPOINTS", "0".to_string())
+                ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string())
             ]
         );
+        assert_eq!(p.bytes, 256 * MIB + 4 * REAL_CKPT);
+        assert_eq!(p.reserve, p.bytes + 128 * MIB);
+        assert!(p.notice.unwrap().contains("reserve is raised"));
         // 16 GiB, one slot: 1 GiB reserve, 256 MiB of checkpoints hold 4.
         let one = ToolSettings {
             parallel: Some(1),
@@ -356,12 +363,12 @@ mod tests {
         let without = plan(&one(false), 256 * MIB, REAL_CKPT).unwrap();
         assert_eq!(without.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string()));
         let with = plan(&one(true), 256 * MIB, REAL_CKPT).unwrap();
-        assert_eq!(with.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "0".to_string()));
-        assert_eq!(with.bytes, 128 * MIB + REAL_CKPT);
-        assert_eq!(with.reserve, 256 * MIB);
-        // Four slots' states do not fit: the reserve grows, and says why.
+        assert_eq!(with.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string()));
+        assert_eq!(with.bytes, 128 * MIB + 2 * REAL_CKPT);
+        assert_eq!(with.reserve, with.bytes + 64 * MIB);
+        // Four slots' states: the reserve grows, and says why.
         let four = plan(&ToolSettings { speculative: true, ..Default::default() }, 256 * MIB, REAL_CKPT).unwrap();
-        assert_eq!(four.bytes, 128 * MIB + 4 * REAL_CKPT);
+        assert_eq!(four.bytes, 128 * MIB + 8 * REAL_CKPT);
         assert!(four.reserve > 256 * MIB && four.notice.unwrap().contains("the recurrent state drafting keeps"));
     }
 
