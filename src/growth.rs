@@ -229,7 +229,7 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
     }
     if raised {
         notice.push(format!(
-            "the reserve is raised to {} to hold the prompt cache and checkpoints asked for{} ({})",
+            "the reserve is raised to {} to hold the prompt cache and checkpoints{} ({})",
             human(reserve),
             if speculative > 0 { " and the recurrent state drafting keeps" } else { "" },
             human(bytes)

@@ -93,6 +93,16 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert_eq!(u(&s, "reserve_bytes"), (2048 + 48) << 20, "{s}");
 
+    // Drafting keeps each slot's recurrent state once more, and at least
+    // one checkpoint per slot stays (with none the server splits prompts
+    // otherwise, and answers unlike stock's defaults): with a reserve too
+    // small for either, the reserve grows and says so.
+    let (server, _) = start_server_logged(&["-m", model, "-lv", "4", "--ram-budget", "1G", "--sdq-reserve", "2M", "--spec-type", "ngram-simple"], &[], Some(&log));
+    stop(server);
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("--ctx-checkpoints 1 (420.0 KiB each, 4 slots)") && text.contains("and the recurrent state drafting keeps"), "{text}");
+    assert!(text.contains("context checkpoints enabled, max = 1,"), "{text}");
+
     // No limit cannot be held to a budget.
     for (flags, env) in [
         (&["--cache-ram", "-1"][..], None),
