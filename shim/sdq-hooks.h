@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 10
+#define SDQ_HOOKS_VERSION 11
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -51,6 +51,10 @@ struct sdq_hooks {
     /* Loader: weight `t` (not paged) stays in the file mapping: its bytes are
      * file-backed page cache rather than anonymous memory. */
     void (*mapped_weight)(void * user_data, const struct ggml_tensor * t);
+
+    /* Loader: the model whose files were reported last has its weights in
+     * memory (a dry run, such as common's parameter fitting, never says so). */
+    void (*model_loaded)(void * user_data);
 
     /* Graph: the expert matmul ggml_mul_mat_id(as, b, ids) for a weight `as`
      * placed in paged_buft. Returns a tensor of ggml_mul_mat_id's shape and

@@ -99,24 +99,28 @@ impl ToolSettings {
 /// anything but `none`, or a draft model (`-md`, `--model-draft`,
 /// `LLAMA_ARG_MODEL_DRAFT`), as llama.cpp's parser reads them.
 fn speculative(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
-    let mut types: Option<String> = None;
-    let mut draft = false;
+    let types = last_value(args, &["--spec-type"]).or_else(|| getenv("LLAMA_ARG_SPEC_TYPE"));
+    draft_model(args, getenv).is_some() || types.is_some_and(|t| t.split(',').any(|t| !t.trim().is_empty() && t.trim() != "none"))
+}
+
+/// The draft model the tool loads (`-md`, `--model-draft`, or
+/// `LLAMA_ARG_MODEL_DRAFT`), as llama.cpp's parser reads them.
+pub fn draft_model(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> Option<String> {
+    last_value(args, &["-md", "--model-draft"]).or_else(|| getenv("LLAMA_ARG_MODEL_DRAFT")).filter(|v| !v.is_empty())
+}
+
+/// The last value given to one of `flags` (`-f V` or `--flag=V`).
+fn last_value(args: &[String], flags: &[&str]) -> Option<String> {
+    let mut value = None;
     let mut it = args.iter().skip(1);
     while let Some(a) = it.next() {
-        match a.as_str() {
-            "--spec-type" => types = it.next().cloned(),
-            "-md" | "--model-draft" => draft |= it.next().is_some(),
-            _ => {
-                if let Some(v) = a.strip_prefix("--spec-type=") {
-                    types = Some(v.to_string());
-                }
-                draft |= a.starts_with("--model-draft=");
-            }
+        if flags.contains(&a.as_str()) {
+            value = it.next().cloned();
+        } else if let Some(v) = flags.iter().filter(|f| f.starts_with("--")).find_map(|f| a.strip_prefix(f).and_then(|r| r.strip_prefix('='))) {
+            value = Some(v.to_string());
         }
     }
-    let types = types.or_else(|| getenv("LLAMA_ARG_SPEC_TYPE"));
-    draft |= getenv("LLAMA_ARG_MODEL_DRAFT").is_some_and(|v| !v.is_empty());
-    draft || types.is_some_and(|t| t.split(',').any(|t| !t.trim().is_empty() && t.trim() != "none"))
+    value
 }
 
 /// Bytes of one sequence's recurrent state (conv + SSM state, f32), summed
@@ -343,6 +347,19 @@ mod tests {
                 .len(),
             1
         );
+    }
+
+    #[test]
+    fn the_draft_model_is_read_as_llama_cpp_reads_it() {
+        let args = |a: &[&str]| std::iter::once("llama-server").chain(a.iter().copied()).map(String::from).collect::<Vec<_>>();
+        let none = |_: &str| None;
+        let env = |k: &str| (k == "LLAMA_ARG_MODEL_DRAFT").then(|| "env.gguf".to_string());
+        assert_eq!(draft_model(&args(&["-md", "a.gguf"]), &none).as_deref(), Some("a.gguf"));
+        assert_eq!(draft_model(&args(&["--model-draft=b.gguf", "-m", "t.gguf"]), &none).as_deref(), Some("b.gguf"));
+        assert_eq!(draft_model(&args(&["-md", "a.gguf", "--model-draft", "c.gguf"]), &none).as_deref(), Some("c.gguf"));
+        assert_eq!(draft_model(&args(&["-m", "t.gguf"]), &env).as_deref(), Some("env.gguf"));
+        assert_eq!(draft_model(&args(&["-md", "a.gguf"]), &env).as_deref(), Some("a.gguf"));
+        assert_eq!(draft_model(&args(&["-m", "t.gguf", "-md"]), &none), None);
     }
 
     #[test]

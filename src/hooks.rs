@@ -37,6 +37,7 @@ pub fn install() {
             paged_weight: Some(paged_weight),
             resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
+            model_loaded: Some(model_loaded),
             mul_mat_id: Some(mul_mat_id),
             moe_routing: Some(moe_routing),
             moe_experts: Some(moe_experts),
@@ -132,12 +133,14 @@ extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft
 extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32, offs: u64) {
     guard("paged_weight", || {
         let Some(rt) = runtime::get() else { return };
+        let address = t as usize;
         // SAFETY: llama.cpp passes the tensor it just created.
         let (name, t) = unsafe { (tensor_name(t), &*t) };
         let Some((layer, part)) = Part::from_tensor_name(&name) else {
             fatal(&format!("tensor {name} was paged but is not a routed expert"))
         };
-        rt.on_paged_weight(PagedTensor {
+        rt.on_paged_weight(
+            PagedTensor {
             name,
             layer,
             part,
@@ -147,7 +150,9 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
             file: idx,
             offset: offs,
             layout: WeightLayout::Plain, // the runtime fills in what is_paged decided
-        });
+            },
+            address,
+        );
     })
 }
 
@@ -168,6 +173,24 @@ extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
         let (name, bytes) = unsafe { (tensor_name(t), sys::ggml_nbytes(t) as u64) };
         rt.on_mapped_weight(name, bytes);
     })
+}
+
+extern "C" fn model_loaded(_: *mut c_void) {
+    guard("model_loaded", || {
+        if let Some(rt) = runtime::get() {
+            rt.on_model_loaded();
+        }
+    })
+}
+
+/// The pager's name and layer of the paged weight `t` named `name` (the
+/// loader's tensor): a model loaded after the first (a draft model) has its
+/// layers numbered after the first's (see `runtime::LoadedModel`). None if
+/// `name` is no routed expert's.
+fn paged_name(t: *const sys::ggml_tensor, name: &str) -> Option<(String, u32, Part)> {
+    let (layer, part) = Part::from_tensor_name(name)?;
+    let paged = runtime::get().and_then(|rt| rt.paged_layer_of(t as usize)).unwrap_or(layer);
+    Some((runtime::renumbered(name, paged - layer), paged, part))
 }
 
 /// One `PagedMatmul` per paged tensor name, kept for the process's lifetime
@@ -275,7 +298,7 @@ extern "C" fn mul_mat_id(
     guard("mul_mat_id", || {
         // SAFETY: llama.cpp passes valid tensors of the graph being built.
         let (name, at, bt, it) = unsafe { (tensor_name(a), &*a, &*b, &*ids) };
-        let Some((layer, part)) = Part::from_tensor_name(&name) else {
+        let Some((name, layer, part)) = paged_name(a, &name) else {
             fatal(&format!("paged matmul for {name}, which is not a routed expert"))
         };
         let shape_ok = bt.type_ == sys::GGML_TYPE_F32
@@ -380,9 +403,9 @@ extern "C" fn moe_experts(
         let (names, paged) = unsafe {
             ([tensor_name(gate), tensor_name(up), tensor_name(down)], [gate, up].iter().all(|&t| sys::sdq_is_paged_tensor(t)))
         };
-        let parts: Vec<_> = names.iter().map(|n| Part::from_tensor_name(n)).collect();
-        let layer = match parts[..] {
-            [Some((l, Part::Gate)), Some((lu, Part::Up)), Some((ld, Part::Down))] if l == lu && l == ld => l,
+        let parts: Vec<_> = names.iter().zip([gate, up, down]).map(|(n, t)| paged_name(t, n)).collect();
+        let (names, layer) = match &parts[..] {
+            [Some((g, l, Part::Gate)), Some((u, lu, Part::Up)), Some((d, ld, Part::Down))] if l == lu && l == ld => ([g.clone(), u.clone(), d.clone()], *l),
             _ => return std::ptr::null_mut(),
         };
         let kernels = [gt, ut, dt].map(|t| DotKernels::for_type(GgmlType(t.type_)));

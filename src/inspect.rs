@@ -43,6 +43,7 @@ const PROCESS_BYTES_PER_TOKEN: u64 = 200;
 const RECURRENT_BATCH_BYTES: u64 = 16 * MIB;
 
 /// The metadata the context estimate needs.
+#[derive(Clone)]
 struct ModelMeta {
     /// Layers of the trunk (block_count less NextN blocks): the layers a run
     /// loads, unless it drafts with MTP.
@@ -172,6 +173,72 @@ pub struct RunPlan<'a> {
     /// MTP drafting (`--spec-type draft-mtp`): llama.cpp loads the NextN
     /// block, whose experts are then paged and its other weights held.
     pub mtp: bool,
+    /// The tool's draft model (`-md`): its experts are paged beside the
+    /// target's (numbered after them, as a run numbers them), its other
+    /// weights and its context held.
+    pub draft: Option<&'a Path>,
+}
+
+/// A model's files and tensors, as a run would load them.
+struct ModelFiles {
+    first: Gguf,
+    arch: String,
+    top_k: usize,
+    file_bytes: u64,
+    /// (file index, tensor) over every part.
+    tensors: Vec<(u32, TensorInfo)>,
+    paths: BTreeMap<u32, PathBuf>,
+}
+
+impl ModelFiles {
+    fn open(model: &Path) -> Result<ModelFiles> {
+        let first = Gguf::open(model)?;
+        let files = model_files(model, &first)?;
+        let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+        let top_k = first.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        let mut file_bytes = 0;
+        let mut tensors: Vec<(u32, TensorInfo)> = Vec::new();
+        let mut paths = BTreeMap::new();
+        for (idx, f) in files.iter().enumerate() {
+            let g = if idx == 0 { None } else { Some(Gguf::open(f)?) };
+            let g = g.as_ref().unwrap_or(&first);
+            file_bytes += std::fs::metadata(f).map_err(|e| Error::io("cannot stat", f, e))?.len();
+            paths.insert(idx as u32, f.clone());
+            tensors.extend(g.tensors().into_iter().map(|t| (idx as u32, t)));
+        }
+        Ok(ModelFiles { first, arch, top_k, file_bytes, tensors, paths })
+    }
+
+    /// The weights a run with the first `n_trunk` layers loaded pages
+    /// (routed experts) and holds (by category), and the bytes of the
+    /// layers past them (NextN blocks), which it skips.
+    fn split(&self, n_trunk: u32) -> (BTreeMap<&'static str, u64>, Vec<PagedTensor>, u64) {
+        let mut resident: BTreeMap<&str, u64> = CATEGORIES.iter().map(|c| (*c, 0)).collect();
+        let mut paged = Vec::new();
+        let mut skipped = 0;
+        for (file, t) in &self.tensors {
+            // NextN (multi-token prediction) blocks follow the trunk's layers;
+            // llama.cpp skips them at load unless MTP drafting is asked for.
+            if layer_of(&t.name).is_some_and(|l| l >= n_trunk) {
+                skipped += t.size;
+                continue;
+            }
+            match Part::from_tensor_name(&t.name) {
+                Some((layer, part)) => {
+                    let row = t.ty.row_size(t.ne[0]);
+                    let nb = [t.ty.row_size(t.ty.block_size()), row, row * t.ne[1] as usize, row * (t.ne[1] * t.ne[2]) as usize];
+                    // Plain: a repacked expert takes as many bytes as the file's.
+                    paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset, layout: WeightLayout::Plain });
+                }
+                None => *resident.get_mut(category(&t.name)).expect("category listed") += t.size,
+            }
+        }
+        (resident, paged, skipped)
+    }
+
+    fn names(&self) -> Vec<&str> {
+        self.tensors.iter().map(|(_, t)| t.name.as_str()).collect()
+    }
 }
 
 /// The accounting of `model`, as JSON (the text report is rendered from it).
@@ -182,23 +249,12 @@ pub fn inspect(model: &Path, budget: Option<u64>, reserve: Option<u64>) -> Resul
 /// [`inspect`] for a run as `plan` describes it.
 pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
     let (budget, reserve, n_ctx) = (plan.budget, plan.reserve, plan.n_ctx);
-    let first = Gguf::open(model)?;
-    let files = model_files(model, &first)?;
-    let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-    let top_k = first.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+    let target = ModelFiles::open(model)?;
+    let (first, arch, file_bytes) = (&target.first, &target.arch, target.file_bytes);
+    let mut top_k = target.top_k;
+    let mut paths = target.paths.clone();
 
-    let mut file_bytes = 0;
-    let mut tensors: Vec<(u32, TensorInfo)> = Vec::new();
-    let mut paths = BTreeMap::new();
-    for (idx, f) in files.iter().enumerate() {
-        let g = if idx == 0 { None } else { Some(Gguf::open(f)?) };
-        let g = g.as_ref().unwrap_or(&first);
-        file_bytes += std::fs::metadata(f).map_err(|e| Error::io("cannot stat", f, e))?.len();
-        paths.insert(idx as u32, f.clone());
-        tensors.extend(g.tensors().into_iter().map(|t| (idx as u32, t)));
-    }
-
-    let mut meta = ModelMeta::read(&first, &arch);
+    let mut meta = ModelMeta::read(first, arch);
     if let Some(n) = n_ctx.filter(|&n| n > 0) {
         meta.n_ctx = n;
     }
@@ -208,28 +264,34 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
     if plan.mtp {
         meta.n_trunk = meta.n_blocks;
     }
-    let mut resident: BTreeMap<&str, u64> = CATEGORIES.iter().map(|c| (*c, 0)).collect();
-    let mut paged = Vec::new();
-    let mut nextn_bytes = 0;
-    for (file, t) in &tensors {
-        // NextN (multi-token prediction) blocks follow the trunk's layers;
-        // llama.cpp skips them at load unless MTP drafting is asked for.
-        if layer_of(&t.name).is_some_and(|l| l >= meta.n_trunk) {
-            nextn_bytes += t.size;
-            continue;
-        }
-        match Part::from_tensor_name(&t.name) {
-            Some((layer, part)) => {
-                let row = t.ty.row_size(t.ne[0]);
-                let nb = [t.ty.row_size(t.ty.block_size()), row, row * t.ne[1] as usize, row * (t.ne[1] * t.ne[2]) as usize];
-                // Plain: a repacked expert takes as many bytes as the file's.
-                paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset, layout: WeightLayout::Plain });
+    let (resident, mut paged, nextn_bytes) = target.split(meta.n_trunk);
+    // A draft model's experts are the pager's layers after the target's,
+    // read from its own files (see runtime::LoadedModel).
+    let draft = match plan.draft {
+        Some(path) => {
+            let d = ModelFiles::open(path)?;
+            let d_meta = ModelMeta::read(&d.first, &d.arch);
+            let (d_resident, d_paged, _) = d.split(d_meta.n_trunk);
+            if !d_paged.is_empty() {
+                crate::preflight::check_expert_counts(path, &d.first)?;
             }
-            None => *resident.get_mut(category(&t.name)).expect("category listed") += t.size,
+            let layer_base = paged.iter().map(|t| t.layer + 1).max().unwrap_or(0);
+            let file_base = paths.len() as u32;
+            let d_routed: u64 = d_paged.iter().map(|t| t.nb[3] as u64).sum();
+            paged.extend(d_paged.into_iter().map(|mut t| {
+                t.name = crate::runtime::renumbered(&t.name, layer_base);
+                t.layer += layer_base;
+                t.file += file_base;
+                t
+            }));
+            paths.extend(d.paths.iter().map(|(i, p)| (i + file_base, p.clone())));
+            top_k = top_k.max(d.top_k);
+            Some((d, d_meta, d_resident.values().sum::<u64>(), d_routed, layer_base))
         }
-    }
+        None => None,
+    };
     let routed: u64 = paged.iter().map(|t| t.nb[3] as u64).sum();
-    let resident_total: u64 = resident.values().sum();
+    let resident_total: u64 = resident.values().sum::<u64>() + draft.as_ref().map_or(0, |d| d.2);
     let mut report = json!({
         "model": model.display().to_string(),
         "architecture": arch,
@@ -242,10 +304,21 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         "nextn_loaded": plan.mtp && n_nextn > 0,
         "top_k": top_k,
     });
+    if let Some((d, _, resident, routed, layer_base)) = &draft {
+        report["draft"] = json!({
+            "model": plan.draft.map(|p| p.display().to_string()),
+            "resident_bytes": resident,
+            "routed_expert_bytes": routed,
+            "first_layer": layer_base,
+            "file_bytes": d.file_bytes,
+        });
+    }
     if paged.is_empty() {
         return Ok(report);
     }
-    crate::preflight::check_expert_counts(model, &first)?;
+    if paged.iter().any(|t| t.file < target.paths.len() as u32) {
+        crate::preflight::check_expert_counts(model, first)?;
+    }
 
     // Sized as a run sizes it (direct I/O on, where the file system allows).
     let layout = Layout::build(&paged, &paths, true)?;
@@ -310,7 +383,11 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         // length (the tools' default), and the process with its vocabulary.
         // With --load-mode mmap the same bytes are held as mapped weights
         // instead, less the embedding's unread rows.
-        let context = meta.context_bytes(&tensors.iter().map(|(_, t)| t.name.as_str()).collect::<Vec<_>>(), &first);
+        let mut context = meta.context_bytes(&target.names(), first);
+        // The draft's context: its cache at the same length, its state and its process share.
+        if let Some((d, d_meta, ..)) = &draft {
+            context += ModelMeta { n_ctx: meta.n_ctx, ..d_meta.clone() }.context_bytes(&d.names(), &d.first);
+        }
         let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
         let anon_estimate = resident_total + context + projector_bytes;
         // A run counts its compute buffers as held before they are touched
@@ -324,7 +401,12 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         // A file llama.cpp cannot make a context of (it names why on stderr)
         // is still accounted for from its metadata, without them.
         let logits = u64::from(n_ubatch) * meta.n_vocab * 4;
-        let compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits);
+        let mut compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits);
+        // The draft's compute buffers.
+        if let (Some((_, d_meta, ..)), Some(path)) = (&draft, plan.draft) {
+            let d_logits = u64::from(n_ubatch) * d_meta.n_vocab * 4;
+            compute += crate::hooks::context_compute_bytes(path, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(d_logits);
+        }
         let held = budget::Held { anon: anon_estimate + compute, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {
@@ -392,6 +474,16 @@ pub fn render(r: &Value) -> String {
         if b > 0 {
             line(format!("  {c:<17}{b:>12} B  {}", human(b)));
         }
+    }
+    let d = &r["draft"];
+    if d.is_object() {
+        line(format!(
+            "  of which the draft model {}: {} resident, {} of routed experts (the pager's layers from {})",
+            d["model"].as_str().unwrap_or(""),
+            human(u(&d["resident_bytes"])),
+            human(u(&d["routed_expert_bytes"])),
+            u(&d["first_layer"])
+        ));
     }
     if let Some(layers) = r["layers"].as_array() {
         line(format!("\nlayer  experts  gate/up  down   bytes/expert  class   (top-{})", u(&r["top_k"])));

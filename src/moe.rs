@@ -469,7 +469,10 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     // SAFETY: src[0..3] were set by ggml_custom_4d from the hook's arguments.
     let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
-    let pager = rt.pager(ids.ne[0] as usize);
+    let Some(pager) = rt.pager_if_ready(ids.ne[0] as usize, (op.starts_step && ith == 0).then_some(ids.ne[1] as u64)) else {
+        // SAFETY: dst is this op's output.
+        return unsafe { leave_out(dst, ith, nth, op.layer) };
+    };
     let key = dst as *const sys::ggml_tensor as usize;
     // ggml runs a layer's gate (or fused gate_up) matmul first: it is
     // SwiGLU's first source, and it starts the batch's reads.
@@ -533,7 +536,10 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     let (gate_w, up_w, down_w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2], &*dst.src[3], &*dst.src[4]) };
     let (n_ff, n_embd) = (gate_w.ne[1] as usize, down_w.ne[1] as usize);
     let rt = runtime::get().unwrap_or_else(|| fatal("paged expert layer without an sdq runtime"));
-    let pager = rt.pager(ids.ne[0] as usize);
+    let Some(pager) = rt.pager_if_ready(ids.ne[0] as usize, (op.counts_tokens && ith == 0).then_some(ids.ne[1] as u64)) else {
+        // SAFETY: dst is this op's output.
+        return unsafe { leave_out(dst, ith, nth, op.layer) };
+    };
     let key = dst as *const sys::ggml_tensor as usize;
     let starts = || {
         if op.counts_tokens {
@@ -605,6 +611,28 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     if op.ends_step && ith == 0 {
         pager.step_ended();
         rt.step_ended();
+    }
+}
+
+/// Writes this thread's share of `dst` as zeros: the experts' output of a
+/// batch the pager lets through without them (`Runtime::pager_if_ready`:
+/// the target's warm-up before its draft model loads, whose result the tool
+/// drops), with the layer's prediction dropped too.
+///
+/// # Safety
+/// `dst` must be this op's output: a contiguous tensor ggml allocated.
+unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u32) {
+    if ith == 0 {
+        predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
+    }
+    // SAFETY: dst is contiguous (a custom op's output), so its bytes are
+    // ggml_nbytes from data; each thread writes its own chunk.
+    unsafe {
+        let bytes = sys::ggml_nbytes(dst);
+        let chunk = bytes.div_ceil(nth);
+        let start = (ith * chunk).min(bytes);
+        let end = (start + chunk).min(bytes);
+        std::ptr::write_bytes((dst.data as *mut u8).add(start), 0, end - start);
     }
 }
 

@@ -50,14 +50,52 @@ struct Registry {
     layouts: BTreeMap<String, WeightLayout>,
     /// Notices about layouts already printed.
     layout_notices: BTreeSet<String>,
-    /// The model (its first file) whose experts are paged: one per process.
-    paged_model: Option<PathBuf>,
-    /// Another model (its first file) being loaded beside it, whose files
-    /// are not the pager's.
-    other_model: Option<PathBuf>,
+    /// The models the loader opened, in load order, and the one loading now.
+    models: Vec<LoadedModel>,
+    current: usize,
+    /// Each paged weight's layer as the pager numbers it, by the address of
+    /// the loader's tensor (the graph's expert ops see that tensor).
+    weights: std::collections::HashMap<usize, u32>,
+}
+
+/// A model the process loaded (a draft model, `-md`, beside the target).
+/// The pager knows experts by layer and reads by file index, so each model's
+/// layers and files are numbered after those of the models loaded before it:
+/// a draft's `blk.0` is the pager's layer `layer_base`. The first model's
+/// numbers are its own.
+#[derive(Clone, Debug)]
+struct LoadedModel {
+    /// Its first file, as the tool named it.
+    path: PathBuf,
+    /// Its weights are in memory (not only a dry run's metadata).
+    loaded: bool,
+    layer_base: u32,
+    file_base: u32,
+}
+
+/// `name` with its layer (`blk.N.`) moved up by `base`: the name the pager
+/// and the stats give a later model's weight.
+pub(crate) fn renumbered(name: &str, base: u32) -> String {
+    let Some((n, rest)) = name.strip_prefix("blk.").and_then(|r| r.split_once('.')) else { return name.to_string() };
+    match n.parse::<u32>() {
+        Ok(layer) if base > 0 => format!("blk.{}.{rest}", layer + base),
+        _ => name.to_string(),
+    }
 }
 
 impl Registry {
+    /// The model loading now (the first one before any file is opened).
+    fn loading(&self) -> LoadedModel {
+        self.models.get(self.current).cloned().unwrap_or(LoadedModel { path: PathBuf::new(), loaded: false, layer_base: 0, file_base: 0 })
+    }
+
+    /// The pager's layers of the model that holds pager layer `layer`.
+    fn model_layers(&self, layer: u32) -> std::ops::Range<u32> {
+        let base = self.models.iter().map(|m| m.layer_base).filter(|&b| b <= layer).max().unwrap_or(0);
+        let end = self.models.iter().map(|m| m.layer_base).filter(|&b| b > base).min().unwrap_or(u32::MAX);
+        base..end
+    }
+
     /// Bytes of mapped weights each token reads: all but one `token_embd.weight`,
     /// the input embedding, which `get_rows` reads a row per token. (A model
     /// with tied embeddings maps it twice, once as the output: that one counts.)
@@ -93,6 +131,10 @@ pub struct Runtime {
     warm_listed: AtomicU64,
     /// The arena's size under memory pressure (from the pager's creation).
     watch: Mutex<Option<crate::pressure::Watch>>,
+    /// A model with routed experts still to load (`await_model`).
+    awaited: Mutex<Option<PathBuf>>,
+    /// Tokens of batches computed without the pager while it waited.
+    unpaged_tokens: AtomicU64,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -123,6 +165,8 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         hotset,
         warm_listed: AtomicU64::new(0),
         watch: Mutex::new(None),
+        awaited: Mutex::new(None),
+        unpaged_tokens: AtomicU64::new(0),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -223,16 +267,48 @@ impl Runtime {
         self.registry.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// The loader opened file `idx` of a model: its first file starts a
+    /// model (or, loaded again, as llama-bench does between tests, makes an
+    /// earlier one current again).
     pub fn on_loader_file(&self, idx: u32, path: PathBuf) {
         let mut r = self.lock_registry();
-        // Another model loading beside the paged one (a draft model, -md):
-        // the pager reads by file index, so the paged model's files stay.
         if idx == 0 {
-            r.other_model = r.paged_model.as_ref().filter(|m| **m != path).map(|_| path.clone());
+            match r.models.iter().position(|m| m.path == path) {
+                Some(i) => r.current = i,
+                None => {
+                    let layer_base = r.tensors.values().map(|t| t.layer + 1).chain(r.routers.keys().map(|l| l + 1)).max().unwrap_or(0);
+                    let file_base = r.files.keys().map(|f| f + 1).max().unwrap_or(0);
+                    if !r.models.is_empty() {
+                        log::info!("{}: another model; its layers are the pager's from {layer_base}", path.display());
+                    }
+                    r.models.push(LoadedModel { path: path.clone(), loaded: false, layer_base, file_base });
+                    r.current = r.models.len() - 1;
+                }
+            }
         }
-        if r.other_model.is_none() {
-            r.files.insert(idx, path);
+        let file = r.loading().file_base + idx;
+        r.files.insert(file, path);
+    }
+
+    /// The model loading now has its weights in memory.
+    pub fn on_model_loaded(&self) {
+        let mut r = self.lock_registry();
+        let current = r.current;
+        if let Some(m) = r.models.get_mut(current) {
+            m.loaded = true;
         }
+    }
+
+    /// A model with routed experts that the tool will load after its first
+    /// (a draft model, `-md`): the pager waits for it (see `pager_if_ready`).
+    pub fn await_model(&self, path: PathBuf) {
+        *self.awaited.lock().unwrap_or_else(|p| p.into_inner()) = Some(path);
+    }
+
+    /// The pager's layer of the paged weight at `tensor` (the loader's
+    /// tensor), if the loader reported it.
+    pub fn paged_layer_of(&self, tensor: usize) -> Option<u32> {
+        self.lock_registry().weights.get(&tensor).copied()
     }
 
     /// True if the weight `name` of type `ty` is a routed expert to page. A
@@ -250,13 +326,14 @@ impl Runtime {
             )));
         }
         let mut r = self.lock_registry();
+        let name = renumbered(name, r.loading().layer_base);
         if let Some(n) = notice {
             if r.layout_notices.insert(n.clone()) {
                 eprintln!("sdq: notice: {name}: {n}");
             }
         }
         log::debug!("{name}: {} layout", layout.name());
-        r.layouts.insert(name.to_string(), layout);
+        r.layouts.insert(name, layout);
         Ok(true)
     }
 
@@ -273,7 +350,9 @@ impl Runtime {
     pub fn on_resident_weight(&self, name: &str, tensor: usize) {
         let layer = name.strip_prefix("blk.").and_then(|r| r.strip_suffix(".ffn_gate_inp.weight")).and_then(|n| n.parse::<u32>().ok());
         if let Some(layer) = layer {
-            self.lock_registry().routers.insert(layer, tensor);
+            let mut r = self.lock_registry();
+            let base = r.loading().layer_base;
+            r.routers.insert(layer + base, tensor);
         }
     }
 
@@ -301,35 +380,40 @@ impl Runtime {
             return None;
         }
         let r = self.lock_registry();
-        let next = r.tensors.values().map(|t| t.layer).filter(|&l| l > layer).min()?;
+        // Within the model: a draft's first layer follows no layer of the target.
+        let model = r.model_layers(layer);
+        let next = r.tensors.values().map(|t| t.layer).filter(|&l| l > layer && model.contains(&l)).min()?;
         r.routers.get(&next).map(|&t| (next, t))
     }
 
-    pub fn on_paged_weight(&self, mut t: PagedTensor) {
+    /// The loader placed paged weight `t` (numbered in its own model) at
+    /// address `tensor`.
+    pub fn on_paged_weight(&self, mut t: PagedTensor, tensor: usize) {
         let mut r = self.lock_registry();
-        // The pager knows experts by layer and name: a second model's would
-        // be taken for the first's. Reloading the same model (llama-bench's
-        // next test) is fine.
-        let model = r.other_model.clone().or_else(|| r.files.get(&0).cloned()).unwrap_or_default();
-        match &r.paged_model {
-            Some(first) if *first != model => fatal(&format!(
-                "{}: a second model with routed experts in this process (the first is {}); under --ram-budget sdq pages one model's experts per process, so a draft model with experts (-md) or several models (llama-bench -m A -m B) is not supported yet",
-                model.display(),
-                first.display()
-            )),
-            Some(_) => {}
-            None => r.paged_model = Some(model),
-        }
+        let model = r.loading();
+        t.name = renumbered(&t.name, model.layer_base);
+        t.layer += model.layer_base;
+        t.file += model.file_base;
+        r.weights.insert(tensor, t.layer);
         t.layout = r.layouts.get(&t.name).copied().unwrap_or(WeightLayout::Plain);
-        // The arena holds experts in the layout of the first load; a later
-        // load (llama-bench's next test) must want the same one.
         if let Some((pager, _)) = self.pager.get() {
-            let held = pager.layout().layers.get(&t.layer).and_then(|l| l.part(t.part)).map(|s| s.layout);
-            if held.is_some_and(|h| h != t.layout) {
+            let Some(span) = pager.layout().layers.get(&t.layer).and_then(|l| l.part(t.part)) else {
+                // The arena was planned for the experts loaded before the
+                // first batch; reloading one of those models is fine.
+                let first = r.models.first().map(|m| m.path.clone()).unwrap_or_default();
+                fatal(&format!(
+                    "{}: a model with routed experts loaded after the first batch ran (the first model is {}); under --ram-budget sdq pages the experts of the models a process loads before it computes (a target and its draft model, -md), so several models in turn (llama-bench -m A -m B) need one process each",
+                    model.path.display(),
+                    first.display()
+                ))
+            };
+            // The arena holds experts in the layout of the first load; a later
+            // load (llama-bench's next test) must want the same one.
+            if span.layout != t.layout {
                 fatal(&format!(
                     "{}: the arena holds this process's experts in the {} layout, and this model load wants {} (another --repack setting); under --ram-budget, run one repack setting per process",
                     t.name,
-                    held.map_or("plain", |h| h.name()),
+                    span.layout.name(),
                     t.layout.name()
                 ));
             }
@@ -343,10 +427,13 @@ impl Runtime {
         self.paged_layers().0
     }
 
-    /// The lowest and the highest layer with paged experts.
+    /// The lowest and the highest layer with paged experts of the first
+    /// model (the target: a step is one of its batches; a draft model's
+    /// layers compute inside the target's steps).
     pub fn paged_layers(&self) -> (u32, u32) {
         let r = self.lock_registry();
-        let layers = || r.tensors.values().map(|t| t.layer);
+        let first = r.model_layers(0);
+        let layers = || r.tensors.values().map(|t| t.layer).filter(|l| first.contains(l));
         (layers().min().unwrap_or(0), layers().max().unwrap_or(0))
     }
 
@@ -374,6 +461,33 @@ impl Runtime {
     fn untouched_compute(&self, rss: u64) -> u64 {
         let c = *self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());
         c.map_or(0, |(bytes, at)| bytes.saturating_sub(rss.saturating_sub(at)))
+    }
+
+    /// The pager, or None while a model with routed experts the tool will
+    /// load (`await_model`) has not loaded: the arena is planned once for
+    /// every model's experts, after all of them and their contexts hold
+    /// their memory. Only the target's warm-up runs before its draft model
+    /// loads (`common_init_from_params` decodes BOS and EOS, then clears the
+    /// context and drops the result), so a batch of `n_tokens` is let
+    /// through without experts only while such batches add up to at most
+    /// the warm-up's two tokens; anything more is an error, not a wrong
+    /// answer.
+    pub fn pager_if_ready(&self, top_k: usize, n_tokens: Option<u64>) -> Option<&Pager> {
+        if self.pager.get().is_none() {
+            let awaited = self.awaited.lock().unwrap_or_else(|p| p.into_inner()).clone();
+            if let Some(path) = awaited.filter(|p| !self.lock_registry().models.iter().any(|m| m.path == *p && m.loaded)) {
+                let n = n_tokens.map_or(0, |n| self.unpaged_tokens.fetch_add(n, Ordering::Relaxed) + n);
+                if n > 2 {
+                    fatal(&format!(
+                        "{}: the draft model has not loaded and the target has computed {n} tokens without it; the arena is planned once both are loaded, so only the target's warm-up may run before (a tool that decodes first is not supported)",
+                        path.display()
+                    ));
+                }
+                log::debug!("a batch before the draft model {} loaded (the warm-up): its routed experts are left out", path.display());
+                return None;
+            }
+        }
+        Some(self.pager(top_k))
     }
 
     /// The pager, created on first use from what the loader reported.
@@ -715,13 +829,20 @@ impl Runtime {
 
     fn stats_json(&self) -> serde_json::Value {
         use serde_json::json;
-        let files = self.lock_registry().files.clone();
+        let (files, models) = {
+            let r = self.lock_registry();
+            // Every model loaded with its weights, and where its layers start
+            // among the pager's (a draft model's follow the target's).
+            let models: Vec<_> = r.models.iter().filter(|m| m.loaded).map(|m| json!({ "path": m.path.display().to_string(), "first_layer": m.layer_base })).collect();
+            (r.files.clone(), models)
+        };
         let (prompt, decode) = self.phase_totals();
         let (tokens_prompt, tokens_generated) = (prompt.tokens, decode.tokens);
         let tokens = tokens_prompt + tokens_generated;
         let mem = ProcMemory::read();
         let mut v = json!({
             "model": files.get(&0).map(|p| p.display().to_string()),
+            "models": models,
             "budget_bytes": self.budget,
             "tokens": { "prompt": tokens_prompt, "generated": tokens_generated },
             "peak_rss_anon_bytes": self.peak_rss_anon.load(Ordering::Relaxed),
@@ -876,4 +997,17 @@ pub(crate) fn write_whole(path: &std::path::Path, text: &str) -> std::io::Result
 /// A layout's geometry as hot sets record it: layer → (bytes per expert, experts).
 fn geometry(layout: &Layout) -> BTreeMap<u32, (u64, u32)> {
     layout.layers.values().map(|l| (l.layer, (l.expert_bytes as u64, l.n_expert))).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::renumbered;
+
+    #[test]
+    fn a_later_models_layers_follow_the_first_models() {
+        assert_eq!(renumbered("blk.3.ffn_up_exps.weight", 8), "blk.11.ffn_up_exps.weight");
+        assert_eq!(renumbered("blk.3.ffn_up_exps.weight", 0), "blk.3.ffn_up_exps.weight");
+        assert_eq!(renumbered("token_embd.weight", 8), "token_embd.weight");
+        assert_eq!(renumbered("blk.x.ffn_up_exps.weight", 8), "blk.x.ffn_up_exps.weight");
+    }
 }

@@ -88,6 +88,22 @@ fn check_models(program: &str, args: &[OsString]) -> Vec<preflight::ModelCheck> 
         .collect()
 }
 
+/// The draft model the tool will load after its target (`-md`), if it has
+/// routed experts and is another file: its experts are paged beside the
+/// target's. Checked as the target is; exits with the error if unusable.
+fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::ModelCheck]) -> Option<std::path::PathBuf> {
+    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let path = std::path::PathBuf::from(growth::draft_model(&text, &|k| std::env::var(k).ok())?);
+    if targets.iter().any(|t| t.files.first() == Some(&path)) {
+        return None;
+    }
+    let check = preflight::check_model(&path).unwrap_or_else(|e| {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    });
+    (check.routed_expert_tensors > 0).then_some(path)
+}
+
 /// Fits the tool's growth after load (prompt cache, context checkpoints) into
 /// the reserve: sets upstream's variables for what the user left alone and
 /// raises the reserve for what they asked for (see `growth`).
@@ -179,6 +195,11 @@ pub fn run(entry: Entry) -> ! {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
             fit_growth(&program, &args, checkpoint, budget, &mut opts);
         }
+        let draft = draft_with_experts(&program, &args, &checks);
+        if draft.is_some() && opts.trace_file.is_some() {
+            eprintln!("{program}: error: --sdq-trace records one model's routing, and the draft model has routed experts too: trace without -md");
+            std::process::exit(1);
+        }
         // Children (llama-server's router re-executes itself) inherit the options.
         for (k, v) in opts.to_env() {
             std::env::set_var(k, v);
@@ -186,6 +207,9 @@ pub fn run(entry: Entry) -> ! {
         if let Err(e) = runtime::install(opts) {
             eprintln!("{program}: error: {e}");
             std::process::exit(1);
+        }
+        if let (Some(rt), Some(draft)) = (runtime::get(), draft) {
+            rt.await_model(draft);
         }
         hooks::install();
         // Tools may exit() without returning; the stats are written either way.

@@ -240,6 +240,10 @@ struct InspectArgs {
     /// both are counted.
     #[arg(long, value_name = "TYPES")]
     spec_type: Option<String>,
+    /// The tool's draft model (-md): its routed experts are paged beside
+    /// the model's, its other weights and its context held, and all counted.
+    #[arg(long = "model-draft", value_name = "FILE")]
+    model_draft: Option<PathBuf>,
 }
 
 fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
@@ -260,6 +264,7 @@ fn inspect(a: InspectArgs, opts: &sdq::options::Options) -> sdq::Result<()> {
         policy: opts.policy,
         read_rate_mib_s: a.read_rate,
         mtp: a.spec_type.as_deref().is_some_and(|t| t.split(',').any(|t| t.trim() == "draft-mtp")),
+        draft: a.model_draft.as_deref(),
     };
     let r = sdq::inspect::inspect_run(&a.model, &plan)?;
     if a.json {

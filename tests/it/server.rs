@@ -384,14 +384,12 @@ fn llamacpp_sample(text: &str, name: &str) -> f64 {
 
 /// Drafting under a budget (issue 29, point 4): n-gram self-drafting answers
 /// exactly as stock with the same flags, and drafts were made and accepted,
-/// so the speculative path really ran. A separate draft model with experts
-/// is refused, for now. The random models loop, which n-gram
+/// so the speculative path really ran; so does a dense draft model (-md).
+/// The random models loop, which n-gram
 /// drafting finds easily: a fair test of the mechanics, not of speed.
 #[test]
 fn drafting_under_a_budget_answers_as_stock() {
     let model = tiny().to_str().unwrap();
-    let draft = TempModel::generate("draft-tiny.gguf", &["--preset", "tiny", "--seed", "2"]);
-    let draft = draft.to_str().unwrap();
     let prompts = ["The rivers and the mountains and the rivers and the mountains", "Count: one two three four one two three four one two"];
     // Short n-grams, so that drafts start within a 48-token answer.
     let cases: [&[&str]; 3] = [
@@ -441,17 +439,77 @@ fn drafting_under_a_budget_answers_as_stock() {
     assert!(drafted > 0.0 && accepted > 0.0, "-md: {drafted} drafted, {accepted} accepted");
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 1 << 30, "{s}");
+}
 
-    // A draft model with routed experts is a second paged model, which the
-    // pager cannot yet tell from the first (it answered unlike stock): under
-    // a budget it is one clear error, never a wrong answer.
+/// A draft model with routed experts (`-md`) under a budget whose arena
+/// holds about one and a half token cycles of both models: its experts are
+/// paged beside the target's as the pager's layers after the target's, read
+/// from its own file. The answers are stock's with the same flags, and so
+/// are the drafts (the same tokens drafted and accepted: a draft read from
+/// the wrong bytes would draft others). The warm-up is on, so the target's
+/// warm-up runs before the draft loads (the arena is planned after both).
+/// The draft is the target's weights with Q8_0 experts: other bytes at other
+/// offsets, drafting tokens the target sometimes accepts.
+#[test]
+fn a_draft_model_with_experts_is_paged_beside_the_target() {
+    let model = tiny().to_str().unwrap();
+    let draft = TempModel::generate("draft-q8.gguf", &["--preset", "tiny", "--seed", "1", "--expert-type", "q8_0"]);
+    let draft = draft.to_str().unwrap();
+    let prompts = ["The rivers and the mountains and the rivers", "Count: one two three four one two"];
+    let args = ["-m", model, "-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--metrics"];
+    let answer = |port: u16| -> (Vec<String>, f64, f64) {
+        let text = prompts.iter().map(|p| greedy(port, p, 32)).collect();
+        let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+        (text, llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total"), llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total"))
+    };
+    let (stock_server, port) = start_server(&args);
+    let stock = answer(port);
+    drop(stock_server);
+    assert!(stock.1 > 0.0 && stock.2 > 0.0, "stock drafted {} and accepted {}: the test drafts nothing", stock.1, stock.2);
+
+    let probe_stats = scratch().join("server-moe-draft-probe.json");
+    let (probe, _) = start_server(&[&args[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
+    assert!(stop(probe).success());
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    // One token cycle of both models: each paged layer's top-k.
+    let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
+    let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, cycle * 3 / 2);
+    let stats = scratch().join("server-moe-draft-stats.json");
+    let (server, port) =
+        start_server_env(&[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[("SDQ_PRELOAD", "0")]);
+    let paged = answer(port);
+    assert!(stop(server).success());
+    assert_eq!(paged, stock, "-md with a draft model with experts: answered or drafted unlike stock (answers, drafted, accepted)");
+
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let models = s["models"].as_array().unwrap();
+    assert!(models.len() == 2 && models[1]["path"] == draft, "{s}");
+    let first_draft_layer = u(&models[1], "first_layer");
+    assert_eq!(first_draft_layer, 8, "the tiny target has 8 paged layers: {s}");
+    let looked_up = |l: &Value| u(l, "hits") + u(l, "misses");
+    let layers = s["layers"].as_array().unwrap();
+    let (target, draft_layers): (Vec<&Value>, Vec<&Value>) = layers.iter().partition(|l| u(l, "layer") < first_draft_layer);
+    assert!(target.len() == 8 && draft_layers.len() == 8, "{s}");
+    assert!(target.iter().chain(&draft_layers).all(|l| looked_up(l) > 0), "a layer was never looked up: {s}");
+    assert!(draft_layers.iter().map(|l| u(l, "misses")).sum::<u64>() > 0 && u(&s, "arena_bytes") < u(&s, "expert_bytes_total"), "{s}");
+    assert!(u(&s, "peak_rss_anon_bytes") <= budget.parse::<u64>().unwrap() && u(&s, "vm_swap_bytes") == 0, "{s}");
+
+    // sdq inspect --model-draft counts the experts the run pages.
+    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "--model-draft", draft, model]), 60);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let inspect: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(u(&inspect, "routed_expert_bytes"), u(&s, "expert_bytes_total"), "inspect --model-draft counts other experts than the run pages: {inspect}");
+    assert_eq!(u(&inspect["draft"], "first_layer"), first_draft_layer, "{inspect}");
+    eprintln!("-md with experts: {} drafted, {} accepted, identical to stock; arena {} of {} expert bytes", paged.1, paged.2, u(&s, "arena_bytes"), u(&s, "expert_bytes_total"));
+
+    // Tracing records one model's routing: with such a draft, one clear error.
+    let trace = scratch().join("moe-draft.trace");
     let o = run(
-        Command::new(bin("llama-server")).args(["-m", model, "-md", draft, "--spec-draft-n-max", "4", "--no-warmup", "--port", &free_port().to_string(), "--ram-budget", "1G"]),
+        Command::new(bin("llama-server")).args(["-m", model, "-md", draft, "--port", &free_port().to_string(), "--ram-budget", "1G", "--sdq-trace", trace.to_str().unwrap()]),
         120,
     );
     let text = stderr(&o);
-    assert_eq!(o.status.code(), Some(1), "{text}");
-    assert!(text.contains("a second model with routed experts") && text.contains(draft) && !text.contains("panicked"), "{text}");
+    assert!(o.status.code() == Some(1) && text.contains("--sdq-trace") && text.contains("-md") && !text.contains("panicked"), "{text}");
 }
 
 /// MTP drafting (`--spec-type draft-mtp`) on a generated qwen35moe with a
