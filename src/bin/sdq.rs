@@ -536,9 +536,8 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         },
         None => None,
     };
-    if !(1..=256).contains(&a.lora_rank) {
-        return Err(sdq::Error::invalid(format!("--lora-rank {} is outside 1..=256", a.lora_rank)));
-    }
+    // Before the model is written, not after.
+    genmodel::lora::check_rank(a.lora_rank)?;
     if split_max_bytes.is_some() && a.mmproj.is_some() {
         return Err(sdq::Error::invalid("--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
     }

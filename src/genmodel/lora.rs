@@ -7,6 +7,7 @@
 //! term. Random weights: it changes the model's answers, nothing more.
 
 use super::spec::{Fill, ModelSpec, PlannedTensor};
+use crate::error::{Error, Result};
 use crate::gguf::{GgufBuilder, Value};
 use crate::ggml::GgmlType;
 
@@ -14,6 +15,15 @@ use crate::ggml::GgmlType;
 pub const DEFAULT_RANK: i64 = 8;
 
 /// The tensors, in file order: for a weight of shape [n_in, n_out(, n_expert)],
+/// An error unless `rank` is one an adapter is written with (1..=256).
+pub fn check_rank(rank: i64) -> Result<()> {
+    if (1..=256).contains(&rank) {
+        Ok(())
+    } else {
+        Err(Error::invalid(format!("--lora-rank {rank} is outside 1..=256")))
+    }
+}
+
 /// `lora_a` is [n_in, rank(, n_expert)] and `lora_b` [rank, n_out(, n_expert)].
 pub fn plan(spec: &ModelSpec, rank: i64) -> Vec<PlannedTensor> {
     let f = spec.family();

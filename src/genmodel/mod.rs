@@ -92,9 +92,7 @@ pub fn generate_mmproj(spec: &ModelSpec, opts: &GenOptions, size: &str) -> Resul
 
 /// Writes a LoRA adapter of rank `rank` for the model `spec` to `opts.out`.
 pub fn generate_lora(spec: &ModelSpec, opts: &GenOptions, rank: i64) -> Result<GenReport> {
-    if !(1..=256).contains(&rank) {
-        return Err(Error::invalid(format!("--lora-rank {rank} is outside 1..=256")));
-    }
+    lora::check_rank(rank)?;
     let plan = lora::plan(spec, rank);
     let mut builder = GgufBuilder::new(plan.len());
     lora::write_metadata(spec, rank, &mut builder);
