@@ -62,12 +62,81 @@ fn main() {
     let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
     compile_shims(&root);
     generate_bindings(&root, &src, &out, clang_includes.as_deref());
+    // Before link()'s: the linker takes arguments in order, and the shared
+    // library's whole archives must come before the group that loads parts
+    // of the same archives for every other target.
+    shared_libraries(&root, &src, &build_dir, &pin, &out.ancestors().nth(3).unwrap_or(&out).join("lib"));
     link(&build_dir);
+}
+
+/// libllama.so and libmtmd.so for programs that link llama.cpp (see
+/// src/library.rs), under upstream's names, SONAMEs and versions, in
+/// TARGET/PROFILE/lib with the headers beside in TARGET/PROFILE/include:
+/// - libllama.so is the `sdq-libllama` target, linked here as a shared
+///   object holding llama.cpp's and ggml's archives whole and exporting
+///   their C API (shim/libllama.map). Cargo writes it after this script, so
+///   the names are symlinks to it.
+/// - libmtmd.so is cmake's (shim/CMakeLists.txt), needing libllama.so.0.
+fn shared_libraries(root: &Path, src: &Path, build_dir: &Path, pin: &Pin, lib: &Path) {
+    let version = pin.llama_version.split('-').next().unwrap_or("0.0.0").to_string();
+    let major = version.split('.').next().unwrap_or("0").to_string();
+    let mut archives = Vec::new();
+    find_archives(build_dir, &mut archives);
+    let whole: Vec<&PathBuf> = archives
+        .iter()
+        .filter(|a| a.file_name().is_some_and(|n| ["libllama.a", "libggml.a", "libggml-base.a", "libggml-cpu.a"].contains(&n.to_string_lossy().as_ref())))
+        .collect();
+    if whole.len() != 4 {
+        fail(&format!("expected libllama.a and ggml's three archives under {}, found {whole:?}", build_dir.display()));
+    }
+    let bin = "sdq-libllama";
+    println!("cargo:rustc-link-arg-bin={bin}=-shared");
+    println!("cargo:rustc-link-arg-bin={bin}=-Wl,-soname,libllama.so.{major}");
+    println!("cargo:rustc-link-arg-bin={bin}=-Wl,--version-script={}", root.join("shim/libllama.map").display());
+    println!("cargo:rustc-link-arg-bin={bin}=-Wl,--whole-archive");
+    for a in &whole {
+        println!("cargo:rustc-link-arg-bin={bin}={}", a.display());
+    }
+    println!("cargo:rustc-link-arg-bin={bin}=-Wl,--no-whole-archive");
+
+    let _ = fs::remove_dir_all(lib);
+    fs::create_dir_all(lib).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", lib.display())));
+    let link = |target: &str, name: &str| {
+        std::os::unix::fs::symlink(target, lib.join(name)).unwrap_or_else(|e| fail(&format!("cannot link {} in {}: {e}", name, lib.display())));
+    };
+    link(&format!("../{bin}"), &format!("libllama.so.{version}"));
+    link(&format!("libllama.so.{version}"), &format!("libllama.so.{major}"));
+    link(&format!("libllama.so.{major}"), "libllama.so");
+    let mtmd = build_dir.join("shared").join(format!("libmtmd.so.{version}"));
+    fs::copy(&mtmd, lib.join(format!("libmtmd.so.{version}"))).unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", mtmd.display())));
+    link(&format!("libmtmd.so.{version}"), &format!("libmtmd.so.{major}"));
+    link(&format!("libmtmd.so.{major}"), "libmtmd.so");
+
+    let include = lib.with_file_name("include");
+    let _ = fs::remove_dir_all(&include);
+    fs::create_dir_all(&include).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", include.display())));
+    for (dir, header) in [
+        ("include", "llama.h"),
+        ("include", "llama-cpp.h"),
+        ("ggml/include", "ggml.h"),
+        ("ggml/include", "ggml-alloc.h"),
+        ("ggml/include", "ggml-backend.h"),
+        ("ggml/include", "ggml-cpu.h"),
+        ("ggml/include", "ggml-opt.h"),
+        ("ggml/include", "gguf.h"),
+        ("tools/mtmd", "mtmd.h"),
+        ("tools/mtmd", "mtmd-helper.h"),
+    ] {
+        let from = src.join(dir).join(header);
+        fs::copy(&from, include.join(header)).unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", from.display())));
+    }
 }
 
 /// The fields of vendor/llama.cpp.pin that the build uses.
 struct Pin {
     commit: String,
+    /// llama.cpp's version (`0.5.0-dev`): its libraries' VERSION and SOVERSION.
+    llama_version: String,
 }
 
 impl Pin {
@@ -83,7 +152,13 @@ impl Pin {
         if commit.len() != 40 || !commit.bytes().all(|b| b.is_ascii_hexdigit()) {
             fail(&format!("{}: commit '{commit}' is not a 40-digit hex id", path.display()));
         }
-        Pin { commit }
+        let llama_version = text
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .find(|(k, _)| k.trim() == "llama_version")
+            .map(|(_, v)| v.trim().to_string())
+            .unwrap_or_else(|| fail(&format!("{}: no 'llama_version = …' line", path.display())));
+        Pin { commit, llama_version }
     }
 }
 

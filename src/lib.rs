@@ -21,6 +21,7 @@ pub mod growth;
 pub mod hotset;
 pub mod hooks;
 pub mod inspect;
+pub mod library;
 pub mod limit;
 pub mod metrics;
 pub mod moe;

@@ -9,6 +9,7 @@ mod far;
 mod faults;
 mod genmodel;
 mod inspect;
+mod library;
 mod limit;
 mod load;
 mod pages;

@@ -1,0 +1,219 @@
+//! sdq inside programs that link llama.cpp (issue 30): the build's
+//! target/release/lib/libllama.so (with the pager) and libmtmd.so, used from
+//! a C program linked with `-lllama` and from llama-cpp-python, with the
+//! budget from the environment.
+
+use crate::util::*;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// target/release/lib and target/release/include.
+fn lib_dir() -> PathBuf {
+    bin("sdq").with_file_name("lib")
+}
+
+fn include_dir() -> PathBuf {
+    bin("sdq").with_file_name("include")
+}
+
+const PROMPT: &str = "The rivers and the mountains";
+
+/// llama-completion's greedy text for `PROMPT` (its own flags plus `extra`),
+/// without the prompt: what a program that links libllama must reproduce.
+fn completion_text(model: &Path, n: u32, extra: &[&str]) -> String {
+    let o = run(
+        Command::new(bin("llama-completion"))
+            .args(["-m", model.to_str().unwrap(), "-p", PROMPT, "-n", &n.to_string(), "--top-k", "1", "-no-cnv", "--no-display-prompt"])
+            .args(extra),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    stdout(&o).trim_end().to_string()
+}
+
+/// The sonames and versions are upstream's, and libmtmd.so needs only
+/// libllama.so.0 of llama.cpp's libraries (so its calls reach the pager's
+/// copy), found beside it.
+#[test]
+fn the_libraries_carry_upstreams_names() {
+    let lib = lib_dir();
+    for (name, real) in [("libllama.so", "libllama.so.0.5.0"), ("libmtmd.so", "libmtmd.so.0.5.0")] {
+        let resolved = std::fs::canonicalize(lib.join(name)).unwrap();
+        assert!(lib.join(real).exists() && std::fs::read_link(lib.join(name)).unwrap() == Path::new(&name.replace(".so", ".so.0")), "{name} -> {}", resolved.display());
+        let o = run(Command::new("readelf").args(["-d"]).arg(lib.join(name)), 30);
+        let text = stdout(&o);
+        let soname = name.replace(".so", ".so.0");
+        assert!(text.contains(&format!("Library soname: [{soname}]")), "{name}: {text}");
+        if name == "libmtmd.so" {
+            assert!(text.contains("[libllama.so.0]") && !text.contains("libggml") && text.contains("$ORIGIN"), "{text}");
+        }
+    }
+    // The C API of llama.h is exported; sdq's own symbols are not.
+    let o = run(Command::new("nm").args(["-D", "--defined-only"]).arg(lib.join("libllama.so")), 60);
+    let syms = stdout(&o);
+    for f in ["llama_model_load_from_file", "llama_decode", "ggml_backend_load_all", "gguf_init_from_file", "llama_model_get_tok_embd"] {
+        assert!(syms.lines().any(|l| l.contains(f)), "libllama.so does not export {f}");
+    }
+    assert!(!syms.lines().any(|l| l.ends_with(" sdq_set_hooks") || l.contains("runtime7install")), "sdq's internals are exported");
+}
+
+/// A C program in the style of upstream's examples/simple, compiled against
+/// the shipped headers and linked with `-lllama`: without a budget it gives
+/// llama-completion's greedy text; with `SDQ_RAM_BUDGET` (an arena of about
+/// one and a half token cycles) the same text, with experts paged, the stats
+/// file written and the budget held.
+#[test]
+fn a_c_program_linked_with_libllama_pages_under_a_budget() {
+    let exe = scratch().join("greedy-c");
+    let o = run(
+        Command::new("cc")
+            .arg("-O1")
+            .arg(format!("-I{}", include_dir().display()))
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/greedy.c"))
+            .arg(format!("-L{}", lib_dir().display()))
+            .arg("-lllama")
+            .arg(format!("-Wl,-rpath,{}", lib_dir().display()))
+            .arg("-o")
+            .arg(&exe),
+        120,
+    );
+    assert!(o.status.success(), "cc: {}", stderr(&o));
+    let model = tiny();
+    let greedy = |env: &[(&str, &str)]| {
+        let o = run(Command::new(&exe).args([model.to_str().unwrap(), "24", PROMPT]).env_remove("SDQ_RAM_BUDGET").envs(env.iter().copied()), 300);
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o).trim_end().to_string(), stderr(&o))
+    };
+    let (stock, _) = greedy(&[]);
+    assert_eq!(stock, completion_text(model, 24, &[]), "the C program without a budget differs from llama-completion");
+
+    let probe_stats = scratch().join("library-c-probe.json");
+    greedy(&[("SDQ_RAM_BUDGET", "2G"), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", probe_stats.to_str().unwrap())]);
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
+    let budget = crate::pager::budget_for(&probe, 16 << 20, cycle * 3 / 2);
+    let stats = scratch().join("library-c-stats.json");
+    let (paged, err) = greedy(&[("SDQ_RAM_BUDGET", &budget), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
+    assert_eq!(paged, stock, "under SDQ_RAM_BUDGET the C program answered unlike stock");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "arena_bytes") < u(&s, "expert_bytes_total"), "{s}");
+    assert!(u(&s, "peak_rss_anon_bytes") <= budget.parse::<u64>().unwrap() && u(&s, "vm_swap_bytes") == 0, "{s}");
+    assert!(err.contains("sdq: hit"), "no summary line: {err}");
+}
+
+/// A virtual environment with llama-cpp-python 0.3.36 (the pinned sdist, the
+/// very tree sdq builds) installed as pure Python (`CMAKE_ARGS=-DLLAMA_BUILD=OFF`),
+/// its dependencies pinned (tests/python/requirements.txt); made once per
+/// target directory. Returns its python.
+fn venv() -> PathBuf {
+    static VENV: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    VENV.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama-cpp-python");
+        let python = dir.join("bin/python");
+        let requirements = root.join("tests/python/requirements.txt");
+        let stamp = dir.join(".sdq-installed");
+        let want = std::fs::read_to_string(&requirements).unwrap();
+        if std::fs::read_to_string(&stamp).is_ok_and(|s| s == want) {
+            return python;
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+        let o = run(Command::new("python3").args(["-m", "venv"]).arg(&dir), 300);
+        assert!(o.status.success(), "python3 -m venv: {}", stderr(&o));
+        let pip = |args: &[&str], env: &[(&str, &str)]| {
+            let o = run(Command::new(&python).args(["-m", "pip", "install", "--disable-pip-version-check", "-q"]).args(args).envs(env.iter().copied()), 1200);
+            assert!(o.status.success(), "pip install {args:?}: {}{}", stdout(&o), stderr(&o));
+        };
+        pip(&["-r", requirements.to_str().unwrap()], &[]);
+        let sdist = root.join("vendor/.cache/llama_cpp_python-0.3.36.tar.gz");
+        pip(&["--no-deps", "--no-build-isolation", sdist.to_str().unwrap()], &[("CMAKE_ARGS", "-DLLAMA_BUILD=OFF")]);
+        std::fs::write(&stamp, want).unwrap();
+        python
+    })
+    .clone()
+}
+
+/// `Llama(model_path=...)` under `SDQ_RAM_BUDGET` gives llama-completion's
+/// greedy tokens with the same settings, pages experts, writes the stats
+/// file and holds the budget; without the variable it is stock.
+#[test]
+fn llama_cpp_python_pages_under_a_budget() {
+    let python = venv();
+    let model = tiny();
+    let script = r#"
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], n_ctx=256, n_batch=512, n_ubatch=512, n_threads=2, flash_attn=False, verbose=False, seed=1)
+out = llm.create_completion(sys.argv[2], max_tokens=int(sys.argv[3]), top_k=1, temperature=0.0, repeat_penalty=1.0)
+sys.stdout.write(out["choices"][0]["text"])
+"#;
+    let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
+    let complete = |env: &[(&str, &str)]| {
+        let o = run(
+            Command::new(&python)
+                .args(["-c", script, model.to_str().unwrap(), PROMPT, "24"])
+                .env("LLAMA_CPP_LIB_PATH", lib_dir())
+                .env_remove("SDQ_RAM_BUDGET")
+                .envs(env.iter().copied()),
+            300,
+        );
+        assert!(o.status.success(), "{}", stderr(&o));
+        (stdout(&o).trim_end().to_string(), stderr(&o))
+    };
+    let (stock, _) = complete(&[]);
+    assert_eq!(stock, expected, "llama-cpp-python on sdq's libllama without a budget differs from llama-completion");
+    let stats = scratch().join("library-python-stats.json");
+    let budget = "400M";
+    let (paged, err) = complete(&[("SDQ_RAM_BUDGET", budget), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
+    assert_eq!(paged, expected, "llama-cpp-python under SDQ_RAM_BUDGET answered unlike llama-completion");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 400 << 20 && u(&s, "vm_swap_bytes") == 0, "{s}");
+    assert!(err.contains("sdq: hit"), "{err}");
+}
+
+/// `python -m llama_cpp.server` on sdq's libllama answers an OpenAI chat
+/// request under the budget, as it does without one.
+#[test]
+fn llama_cpp_python_server_answers_under_a_budget() {
+    let python = venv();
+    let model = tiny();
+    let body = r#"{"messages":[{"role":"user","content":"Hello there"}],"max_tokens":12,"top_k":1,"temperature":0,"repeat_penalty":1.0}"#;
+    let answer = |env: &[(&str, &str)]| -> String {
+        let port = free_port();
+        let child = Command::new(&python)
+            .args(["-m", "llama_cpp.server", "--model", model.to_str().unwrap(), "--port", &port.to_string(), "--n_ctx", "512", "--n_threads", "2"])
+            .env("LLAMA_CPP_LIB_PATH", lib_dir())
+            .env_remove("SDQ_RAM_BUDGET")
+            .envs(env.iter().copied())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(scratch().join("library-python-server.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let mut server = KillOnDrop(child);
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        let reply = loop {
+            match http(port, "POST", "/v1/chat/completions", Some(body)) {
+                Ok((200, text)) => break text,
+                Ok((code, text)) => panic!("HTTP {code}: {text}"),
+                Err(_) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(300)),
+                Err(e) => panic!("llama_cpp.server did not answer: {e}"),
+            }
+        };
+        // SIGINT: uvicorn shuts down and Python exits normally, so the stats are written.
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while server.0.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        let v: Value = serde_json::from_str(&reply).unwrap();
+        v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
+    };
+    let stock = answer(&[]);
+    let stats = scratch().join("library-python-server-stats.json");
+    let paged = answer(&[("SDQ_RAM_BUDGET", "500M"), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
+    assert!(!stock.is_empty() && paged == stock, "chat under the budget: {paged:?}, without: {stock:?}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 500 << 20, "{s}");
+}
