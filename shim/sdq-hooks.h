@@ -82,8 +82,9 @@ struct sdq_hooks {
                                         struct ggml_tensor * b, struct ggml_tensor * ids);
 
     /* Compute: should ggml stop the graph now? True once after an expert
-     * read failed in a tool that abandons the batch (it installed
-     * sdq_abort_requested as its abort callback); a tool without it ends on
+     * read failed in a program that abandons the batch (llama-server, or a
+     * program that loaded sdq's libllama); every context asks it after each
+     * node, before the program's own abort callback. Any other tool ends on
      * such a failure. */
     bool (*abort_requested)(void * user_data);
 

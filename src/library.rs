@@ -37,6 +37,8 @@ pub fn init_from_env() {
         eprintln!("sdq: error: {e}; libllama runs without a budget");
         return;
     }
+    // What would end a tool fails the call instead: the host program goes on.
+    runtime::embed();
     hooks::install();
     // The stats file and the summary line when the host program exits.
     // SAFETY: registering a plain extern "C" function with no state.

@@ -15,7 +15,7 @@ use crate::hotset::{HotExpert, HotSet};
 use crate::trace::{Phase, Recorder};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -135,6 +135,8 @@ pub struct Runtime {
     awaited: Mutex<Option<PathBuf>>,
     /// Tokens of batches computed without the pager while it waited.
     unpaged_tokens: AtomicU64,
+    /// Held while the pager is being created.
+    creating: Mutex<()>,
 }
 
 static RUNTIME: OnceLock<Runtime> = OnceLock::new();
@@ -167,6 +169,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         watch: Mutex::new(None),
         awaited: Mutex::new(None),
         unpaged_tokens: AtomicU64::new(0),
+        creating: Mutex::new(()),
     });
     std::thread::Builder::new()
         .name("sdq-memory".into())
@@ -210,20 +213,27 @@ pub fn fatal(msg: &str) -> ! {
 }
 
 /// A batch abandoned because an expert read failed. llama-server goes on
-/// without the batch: it installs sdq's abort callback (patch 0004), which
-/// ggml calls after every node, and answers the batch's requests with the
-/// error. Every other tool ends on a failed read (llama-cli shares the
-/// server's code, and the callback, but is told not to go on).
+/// without the batch: every context asks sdq's abort callback after each
+/// node (patch 0011), and the server answers the batch's requests with the
+/// error. A host program of sdq's libllama sees llama_decode fail. Every
+/// other tool ends on a failed read (llama-cli shares the server's code, and
+/// the callback, but is told not to go on).
 struct BatchAbort {
     /// The tool abandons a batch rather than end (`allow_batch_abort`).
     supported: AtomicBool,
-    /// ggml has yet to be told to stop the graph.
-    requested: AtomicBool,
+    /// `IDLE`, `REQUESTED` (ggml has yet to be told to stop the graph) or
+    /// `STOPPING` (told: the graph ends at this node; failures of its other
+    /// threads in the same node are the same batch's).
+    state: AtomicU8,
     /// The first error of the abandoned batch, until the tool takes it.
     error: Mutex<Option<String>>,
 }
 
-static BATCH_ABORT: BatchAbort = BatchAbort { supported: AtomicBool::new(false), requested: AtomicBool::new(false), error: Mutex::new(None) };
+const IDLE: u8 = 0;
+const REQUESTED: u8 = 1;
+const STOPPING: u8 = 2;
+
+static BATCH_ABORT: BatchAbort = BatchAbort { supported: AtomicBool::new(false), state: AtomicU8::new(IDLE), error: Mutex::new(None) };
 
 /// An expert the batch needs could not be read: the batch is abandoned where
 /// the tool can do that (its outputs are never used: ggml stops the graph
@@ -234,11 +244,25 @@ pub fn fail_batch(msg: &str) {
         fatal(msg);
     }
     let mut first = BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner());
-    if first.is_none() {
+    // Said once per abandoned batch (its other threads may fail too, also
+    // after ggml was told to stop, while they finish the node).
+    if BATCH_ABORT.state.compare_exchange(IDLE, REQUESTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
         eprintln!("sdq: error: {msg}; the batch is abandoned");
+    }
+    if first.is_none() {
         *first = Some(msg.to_string());
     }
-    BATCH_ABORT.requested.store(true, Ordering::Release);
+}
+
+/// sdq runs inside a host program (src/library.rs): what would end a tool
+/// fails the batch instead (llama_decode returns non-zero), and the host
+/// goes on.
+static EMBEDDED: AtomicBool = AtomicBool::new(false);
+
+/// This process is a host program that loaded sdq's libllama.
+pub fn embed() {
+    EMBEDDED.store(true, Ordering::Release);
+    allow_batch_abort();
 }
 
 /// The tool abandons a batch whose expert read failed and goes on (llama-server).
@@ -246,9 +270,21 @@ pub fn allow_batch_abort() {
     BATCH_ABORT.supported.store(true, Ordering::Release);
 }
 
-/// ggml's abort callback: true once after a batch was abandoned.
+/// ggml's abort callback: true once after a batch was abandoned. ggml asks
+/// after each node, and stops the graph at the first true; so when it asks
+/// again after that, it runs the next graph, and the abandoned batch is over.
 pub fn abort_requested() -> bool {
-    BATCH_ABORT.requested.swap(false, Ordering::AcqRel)
+    match BATCH_ABORT.state.load(Ordering::Acquire) {
+        REQUESTED => {
+            BATCH_ABORT.state.store(STOPPING, Ordering::Release);
+            true
+        }
+        STOPPING => {
+            BATCH_ABORT.state.store(IDLE, Ordering::Release);
+            false
+        }
+        _ => false,
+    }
 }
 
 /// The error that abandoned the last batch, once.
@@ -471,7 +507,8 @@ impl Runtime {
     /// context and drops the result), so a batch of `n_tokens` is let
     /// through without experts only while such batches add up to at most
     /// the warm-up's two tokens; anything more is an error, not a wrong
-    /// answer.
+    /// answer. None also when the pager cannot be created (a budget too
+    /// small) inside a host program: the batch fails (see `embed`).
     pub fn pager_if_ready(&self, top_k: usize, n_tokens: Option<u64>) -> Option<&Pager> {
         if self.pager.get().is_none() {
             let awaited = self.awaited.lock().unwrap_or_else(|p| p.into_inner()).clone();
@@ -487,12 +524,35 @@ impl Runtime {
                 return None;
             }
         }
-        Some(self.pager(top_k))
+        match self.try_pager(top_k) {
+            Ok(p) => Some(p),
+            // Inside a host program the batch fails (llama_decode returns
+            // non-zero), its experts left out; a tool ends with the error.
+            Err(e) if EMBEDDED.load(Ordering::Acquire) => {
+                fail_batch(&e.to_string());
+                None
+            }
+            Err(e) => fatal(&e.to_string()),
+        }
     }
 
     /// The pager, created on first use from what the loader reported.
     pub fn pager(&self, top_k: usize) -> &Pager {
-        &self.pager.get_or_init(|| self.create_pager(top_k).unwrap_or_else(|e| fatal(&e.to_string()))).0
+        self.try_pager(top_k).unwrap_or_else(|e| fatal(&e.to_string()))
+    }
+
+    /// The pager, created on first use; an error (a budget too small) is
+    /// returned, and the next batch tries again.
+    fn try_pager(&self, top_k: usize) -> Result<&Pager, Error> {
+        if let Some((p, _)) = self.pager.get() {
+            return Ok(p);
+        }
+        let _one = self.creating.lock().unwrap_or_else(|p| p.into_inner());
+        if self.pager.get().is_none() {
+            let made = self.create_pager(top_k)?;
+            let _ = self.pager.set(made);
+        }
+        Ok(&self.pager.get().expect("the pager was just set").0)
     }
 
     fn create_pager(&self, top_k: usize) -> Result<(Pager, ArenaPlan), Error> {

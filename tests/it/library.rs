@@ -58,6 +58,30 @@ fn the_libraries_carry_upstreams_names() {
     assert!(!syms.lines().any(|l| l.ends_with(" sdq_set_hooks") || l.contains("runtime7install")), "sdq's internals are exported");
 }
 
+/// tests/c/greedy.c, compiled against the shipped headers and linked with
+/// `-lllama` from target/release/lib (once per run).
+fn c_program() -> PathBuf {
+    static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    EXE.get_or_init(|| {
+        let exe = scratch().join("greedy-c");
+        let o = run(
+            Command::new("cc")
+                .arg("-O1")
+                .arg(format!("-I{}", include_dir().display()))
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/greedy.c"))
+                .arg(format!("-L{}", lib_dir().display()))
+                .arg("-lllama")
+                .arg(format!("-Wl,-rpath,{}", lib_dir().display()))
+                .arg("-o")
+                .arg(&exe),
+            120,
+        );
+        assert!(o.status.success(), "cc: {}", stderr(&o));
+        exe
+    })
+    .clone()
+}
+
 /// A C program in the style of upstream's examples/simple, compiled against
 /// the shipped headers and linked with `-lllama`: without a budget it gives
 /// llama-completion's greedy text; with `SDQ_RAM_BUDGET` (an arena of about
@@ -65,20 +89,7 @@ fn the_libraries_carry_upstreams_names() {
 /// file written and the budget held.
 #[test]
 fn a_c_program_linked_with_libllama_pages_under_a_budget() {
-    let exe = scratch().join("greedy-c");
-    let o = run(
-        Command::new("cc")
-            .arg("-O1")
-            .arg(format!("-I{}", include_dir().display()))
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/greedy.c"))
-            .arg(format!("-L{}", lib_dir().display()))
-            .arg("-lllama")
-            .arg(format!("-Wl,-rpath,{}", lib_dir().display()))
-            .arg("-o")
-            .arg(&exe),
-        120,
-    );
-    assert!(o.status.success(), "cc: {}", stderr(&o));
+    let exe = c_program();
     let model = tiny();
     let greedy = |env: &[(&str, &str)]| {
         let o = run(Command::new(&exe).args([model.to_str().unwrap(), "24", PROMPT]).env_remove("SDQ_RAM_BUDGET").envs(env.iter().copied()), 300);
@@ -216,4 +227,109 @@ fn llama_cpp_python_server_answers_under_a_budget() {
     assert!(!stock.is_empty() && paged == stock, "chat under the budget: {paged:?}, without: {stock:?}");
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 500 << 20, "{s}");
+}
+
+/// What ends a tool fails the call inside a host program, which goes on:
+/// a budget too small for the arena and an expert read that fails past its
+/// retries make `llama_decode` return non-zero, and a bad file makes
+/// `llama_model_load_from_file` return NULL; sdq's line (or llama.cpp's) is
+/// on stderr. The C program reports each failure itself ("error: ..."), so
+/// the process was not ended from inside the library.
+#[test]
+fn errors_inside_a_c_program_are_the_programs() {
+    let exe = c_program();
+    let model = tiny();
+    let greedy = |model: &Path, env: &[(&str, &str)]| {
+        let o = run(Command::new(&exe).args([model.to_str().unwrap(), "8", PROMPT]).env_remove("SDQ_RAM_BUDGET").envs(env.iter().copied()), 300);
+        (o.status.code(), stderr(&o))
+    };
+    let probe_stats = scratch().join("library-errors-probe.json");
+    greedy(model, &[("SDQ_RAM_BUDGET", "2G"), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", probe_stats.to_str().unwrap())]);
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    // Room for the reserve and not one layer's experts.
+    let small = (held_after_load(&probe) + (16 << 20)).to_string();
+    let (code, err) = greedy(model, &[("SDQ_RAM_BUDGET", &small), ("SDQ_RESERVE_MB", "16")]);
+    assert!(code == Some(1) && err.contains("is too small") && err.contains("the minimum budget is") && err.contains("error: llama_decode returned 2"), "{code:?}: {err}");
+
+    let fault = scratch().join("library-errors-fault");
+    std::fs::write(&fault, "").unwrap();
+    let spec = format!("eio-while={}", fault.display());
+    let (code, err) = greedy(model, &[("SDQ_RAM_BUDGET", "1G"), ("SDQ_FAULT_READ", &spec), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")]);
+    std::fs::remove_file(&fault).unwrap();
+    assert!(code == Some(1) && err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()) && err.contains("error: llama_decode returned 2"), "{code:?}: {err}");
+
+    let bad = scratch().join("library-errors-truncated.gguf");
+    let bytes = std::fs::read(model).unwrap();
+    std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
+    let (code, err) = greedy(&bad, &[("SDQ_RAM_BUDGET", "1G")]);
+    assert!(code == Some(1) && err.contains("error: cannot load") && !err.contains("panicked"), "{code:?}: {err}");
+}
+
+/// The same failures from Python: llama-cpp-python raises its own exception
+/// (ValueError for a model that does not load, RuntimeError for a failed
+/// decode), sdq's line is on stderr, and the interpreter goes on: after the
+/// failing reads stop, the same `Llama` answers as llama-completion does.
+#[test]
+fn errors_inside_llama_cpp_python_are_exceptions() {
+    let python = venv();
+    let model = tiny();
+    let bad = scratch().join("library-python-truncated.gguf");
+    let bytes = std::fs::read(model).unwrap();
+    std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
+    let fault = scratch().join("library-python-fault");
+    std::fs::write(&fault, "").unwrap();
+    let script = r#"
+import os, sys
+from llama_cpp import Llama
+model, bad, fault, prompt = sys.argv[1:5]
+try:
+    Llama(model_path=bad, verbose=False)
+    print("bad file: loaded")
+except ValueError as e:
+    print("bad file: ValueError")
+llm = Llama(model_path=model, n_ctx=256, n_batch=512, n_ubatch=512, n_threads=2, flash_attn=False, verbose=False, seed=1)
+def complete():
+    return llm.create_completion(prompt, max_tokens=24, top_k=1, temperature=0.0, repeat_penalty=1.0)["choices"][0]["text"]
+try:
+    complete()
+    print("failing reads: answered")
+except RuntimeError as e:
+    print("failing reads: RuntimeError " + str(e))
+os.remove(fault)
+llm.reset()
+sys.stdout.write("after: " + complete())
+"#;
+    let spec = format!("eio-while={}", fault.display());
+    let o = run(
+        Command::new(&python)
+            .args(["-c", script, model.to_str().unwrap(), bad.to_str().unwrap(), fault.to_str().unwrap(), PROMPT])
+            .env("LLAMA_CPP_LIB_PATH", lib_dir())
+            .envs([("SDQ_RAM_BUDGET", "1G"), ("SDQ_FAULT_READ", spec.as_str()), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")]),
+        300,
+    );
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success(), "{out}{err}");
+    let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
+    assert!(out.contains("bad file: ValueError") && out.contains("failing reads: RuntimeError llama_decode returned 2"), "{out}{err}");
+    assert!(err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()), "{err}");
+    assert_eq!(out.split("after: ").nth(1).map(str::trim_end), Some(expected.as_str()), "{out}");
+
+    // A budget too small for the arena: the first completion raises, and the
+    // interpreter ends normally.
+    let script = r#"
+import sys
+from llama_cpp import Llama
+llm = Llama(model_path=sys.argv[1], verbose=False)
+try:
+    llm.create_completion("Hello", max_tokens=4)
+    print("answered")
+except RuntimeError as e:
+    print("RuntimeError " + str(e))
+"#;
+    let o = run(
+        Command::new(&python).args(["-c", script, model.to_str().unwrap()]).env("LLAMA_CPP_LIB_PATH", lib_dir()).envs([("SDQ_RAM_BUDGET", "64M"), ("SDQ_RESERVE_MB", "16")]),
+        300,
+    );
+    let (out, err) = (stdout(&o), stderr(&o));
+    assert!(o.status.success() && out.contains("RuntimeError llama_decode returned 2") && err.contains("is too small"), "{out}{err}");
 }
