@@ -333,3 +333,74 @@ except RuntimeError as e:
     let (out, err) = (stdout(&o), stderr(&o));
     assert!(o.status.success() && out.contains("RuntimeError llama_decode returned 2") && err.contains("is too small"), "{out}{err}");
 }
+
+/// With `MTMD_CPP_LIB` at sdq's libmtmd.so, a chat with an image on the
+/// generated MiniCPM-V projector answers as llama-mtmd-cli does, under a
+/// budget whose arena is a few slots (the run's own minimum, which a first
+/// try names, plus 2 MiB). The generated model's chat template is plain
+/// ChatML, which takes string content: the script gives it the media marker
+/// and the text, as llama-mtmd-cli does.
+#[test]
+fn llama_cpp_python_chats_with_an_image_under_a_budget() {
+    let python = venv();
+    let (model, mmproj) = crate::vision::vision_model();
+    let image = crate::vision::image();
+    let o = run(
+        Command::new(bin("llama-mtmd-cli"))
+            .arg("-m")
+            .arg(model)
+            .arg("--mmproj")
+            .arg(mmproj)
+            .arg("--image")
+            .arg(&image)
+            .args(["-p", "Describe the picture", "-n", "16", "--top-k", "1", "-t", "2", "-c", "2048", "-fa", "off"]),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let expected = stdout(&o).trim().to_string();
+    assert!(!expected.is_empty(), "llama-mtmd-cli answered nothing: {}", stderr(&o));
+    let script = r#"
+import sys, base64
+from llama_cpp import Llama
+from llama_cpp.llama_chat_format import MTMDChatHandler
+
+class TextContentHandler(MTMDChatHandler):
+    def _get_template_messages(self, messages, media_marker):
+        out = []
+        for m in super()._get_template_messages(messages, media_marker):
+            if isinstance(m.get("content"), list):
+                m["content"] = "".join(p["text"] for p in m["content"])
+            out.append(m)
+        return out
+
+model, mmproj, img = sys.argv[1:4]
+llm = Llama(model_path=model, chat_handler=TextContentHandler(clip_model_path=mmproj, verbose=False), n_ctx=2048, n_batch=2048, n_ubatch=512, n_threads=2, flash_attn=False, verbose=False, seed=1)
+url = "data:image/png;base64," + base64.b64encode(open(img, "rb").read()).decode()
+try:
+    r = llm.create_chat_completion(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": "Describe the picture"}]}], max_tokens=16, top_k=1, temperature=0.0, repeat_penalty=1.0)
+    sys.stdout.write("answer: " + r["choices"][0]["message"]["content"])
+except RuntimeError as e:
+    sys.stdout.write("RuntimeError " + str(e))
+llm.close()
+"#;
+    let chat = |budget: &str, stats: &Path| {
+        let o = run(
+            Command::new(&python)
+                .args(["-c", script, model.to_str().unwrap(), mmproj.to_str().unwrap(), image.to_str().unwrap()])
+                .env("LLAMA_CPP_LIB_PATH", lib_dir())
+                .env("MTMD_CPP_LIB", lib_dir())
+                .envs([("SDQ_RAM_BUDGET", budget), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]),
+            300,
+        );
+        assert!(o.status.success(), "{}{}", stdout(&o), stderr(&o));
+        (stdout(&o), stderr(&o))
+    };
+    let stats = scratch().join("library-mtmd-stats.json");
+    let (out, err) = chat("150M", &stats);
+    assert!(out.contains("RuntimeError llama_decode returned 2") && err.contains("is too small"), "{out}{err}");
+    let budget = crate::vision::min_budget_in(&err) + (2 << 20);
+    let (out, err) = chat(&budget.to_string(), &stats);
+    assert_eq!(out.strip_prefix("answer: ").map(str::trim), Some(expected.as_str()), "{err}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= budget && u(&s, "vm_swap_bytes") == 0, "{s}");
+}

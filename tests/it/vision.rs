@@ -8,7 +8,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 /// The text model and its projector (generated once per run).
-fn vision_model() -> &'static (PathBuf, PathBuf) {
+pub(crate) fn vision_model() -> &'static (PathBuf, PathBuf) {
     static M: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     M.get_or_init(|| {
         let (model, mmproj) = (scratch().join("vision.gguf"), scratch().join("vision-mmproj.gguf"));
@@ -73,7 +73,7 @@ fn write_png(path: &Path, w: u32, h: u32) {
     std::fs::write(path, png).unwrap();
 }
 
-fn image() -> PathBuf {
+pub(crate) fn image() -> PathBuf {
     let p = scratch().join("vision-pattern.png");
     if !p.exists() {
         write_png(&p, 64, 48);
@@ -144,7 +144,7 @@ fn an_image_prompt_gives_stocks_tokens_under_a_budget() {
 }
 
 /// "the minimum budget is 257.3 MiB" in sdq's error, in bytes (rounded up).
-fn min_budget_in(err: &str) -> u64 {
+pub(crate) fn min_budget_in(err: &str) -> u64 {
     let rest = &err[err.find("the minimum budget is ").expect("a minimum budget in the error") + "the minimum budget is ".len()..];
     let mut words = rest.split_whitespace();
     let n: f64 = words.next().unwrap().parse().unwrap();
