@@ -2,6 +2,7 @@
 #include "sdq-hooks.h"
 
 #include <atomic>
+#include <stdexcept>
 
 #include <fcntl.h>
 
@@ -49,4 +50,12 @@ size_t sdq_report(int kind, char * buf, size_t len) {
 bool sdq_take_batch_error(char * buf, size_t len) {
     const sdq_hooks * h = sdq_get_hooks();
     return h && h->take_batch_error && h->take_batch_error(h->user_data, buf, len);
+}
+
+void sdq_check_load(void) {
+    const sdq_hooks * h = sdq_get_hooks();
+    char buf[2048];
+    if (h && h->take_load_error && h->take_load_error(h->user_data, buf, sizeof(buf))) {
+        throw std::runtime_error(buf);
+    }
 }

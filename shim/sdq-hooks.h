@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 11
+#define SDQ_HOOKS_VERSION 12
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -51,6 +51,11 @@ struct sdq_hooks {
     /* Loader: weight `t` (not paged) stays in the file mapping: its bytes are
      * file-backed page cache rather than anonymous memory. */
     void (*mapped_weight)(void * user_data, const struct ggml_tensor * t);
+
+    /* Loader: the error a loader hook left (a file or weight sdq cannot
+     * page, inside a host program), copied into buf (NUL-terminated, cut at
+     * len) and forgotten; false if there is none. The loader throws it. */
+    bool (*take_load_error)(void * user_data, char * buf, size_t len);
 
     /* Loader: the model whose files were reported last has its weights in
      * memory (a dry run, such as common's parameter fitting, never says so). */
@@ -115,6 +120,10 @@ size_t sdq_report(int kind, char * buf, size_t len);
 /* ggml abort callback (llama_set_abort_callback): the abort_requested hook,
  * or false with no table installed. */
 bool sdq_abort_requested(void * data);
+
+/* Throws (as std::runtime_error) the error the last loader hook left, if
+ * any (take_load_error); the model loader calls it after each hook. */
+void sdq_check_load(void);
 
 /* The take_batch_error hook, or false with no table installed. */
 bool sdq_take_batch_error(char * buf, size_t len);

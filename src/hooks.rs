@@ -38,6 +38,7 @@ pub fn install() {
             resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
             model_loaded: Some(model_loaded),
+            take_load_error: Some(take_load_error),
             mul_mat_id: Some(mul_mat_id),
             moe_routing: Some(moe_routing),
             moe_experts: Some(moe_experts),
@@ -66,6 +67,15 @@ extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize,
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
     guard("take_batch_error", || {
         let Some(msg) = runtime::take_batch_error() else { return false };
+        // SAFETY: the caller passes a buffer of len bytes.
+        unsafe { write_c_string(&msg, buf, len) };
+        true
+    })
+}
+
+extern "C" fn take_load_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
+    guard("take_load_error", || {
+        let Some(msg) = runtime::take_load_error() else { return false };
         // SAFETY: the caller passes a buffer of len bytes.
         unsafe { write_c_string(&msg, buf, len) };
         true
@@ -126,7 +136,10 @@ extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft
             return false;
         }
         let (layout, notice) = WeightLayout::of(meta, stock_buft);
-        rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| fatal(&e.to_string()))
+        rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| {
+            runtime::fail_load(&e.to_string());
+            false
+        })
     })
 }
 

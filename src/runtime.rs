@@ -259,6 +259,28 @@ pub fn fail_batch(msg: &str) {
 /// goes on.
 static EMBEDDED: AtomicBool = AtomicBool::new(false);
 
+/// The error that fails the model load in progress (inside a host program).
+static LOAD_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+/// A file or weight sdq cannot page: inside a host program the model load
+/// fails (the loader throws the error: llama_model_load_from_file returns
+/// NULL) and the program goes on; a tool ends with the error.
+pub fn fail_load(msg: &str) {
+    if !EMBEDDED.load(Ordering::Acquire) {
+        fatal(msg);
+    }
+    let mut e = LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    if e.is_none() {
+        eprintln!("sdq: error: {msg}");
+        *e = Some(msg.to_string());
+    }
+}
+
+/// The error that fails the model load in progress, once.
+pub fn take_load_error() -> Option<String> {
+    LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
 /// This process is a host program that loaded sdq's libllama.
 pub fn embed() {
     EMBEDDED.store(true, Ordering::Release);
@@ -307,6 +329,13 @@ impl Runtime {
     /// model (or, loaded again, as llama-bench does between tests, makes an
     /// earlier one current again).
     pub fn on_loader_file(&self, idx: u32, path: PathBuf) {
+        // A tool checked its models before loading them (src/tools.rs); a
+        // host program's load is checked here, and fails on a bad file.
+        if idx == 0 && EMBEDDED.load(Ordering::Acquire) {
+            if let Err(e) = crate::preflight::check_model(&path) {
+                return fail_load(&e.to_string());
+            }
+        }
         let mut r = self.lock_registry();
         if idx == 0 {
             match r.models.iter().position(|m| m.path == path) {
@@ -437,16 +466,16 @@ impl Runtime {
                 // The arena was planned for the experts loaded before the
                 // first batch; reloading one of those models is fine.
                 let first = r.models.first().map(|m| m.path.clone()).unwrap_or_default();
-                fatal(&format!(
-                    "{}: a model with routed experts loaded after the first batch ran (the first model is {}); under --ram-budget sdq pages the experts of the models a process loads before it computes (a target and its draft model, -md), so several models in turn (llama-bench -m A -m B) need one process each",
+                return fail_load(&format!(
+                    "{}: a model with routed experts loaded after the first batch ran (the first model is {}); under --ram-budget sdq pages the experts of the models a process loads before it computes (a target and its draft model, -md), so models loaded in turn (llama-bench -m A -m B, or a program that loads another model after using one) need one process each",
                     model.path.display(),
                     first.display()
-                ))
+                ));
             };
             // The arena holds experts in the layout of the first load; a later
             // load (llama-bench's next test) must want the same one.
             if span.layout != t.layout {
-                fatal(&format!(
+                return fail_load(&format!(
                     "{}: the arena holds this process's experts in the {} layout, and this model load wants {} (another --repack setting); under --ram-budget, run one repack setting per process",
                     t.name,
                     span.layout.name(),

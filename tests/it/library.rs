@@ -281,7 +281,7 @@ fn errors_inside_llama_cpp_python_are_exceptions() {
     let script = r#"
 import os, sys
 from llama_cpp import Llama
-model, bad, fault, prompt = sys.argv[1:5]
+model, bad, fault, prompt, other = sys.argv[1:6]
 try:
     Llama(model_path=bad, verbose=False)
     print("bad file: loaded")
@@ -297,12 +297,23 @@ except RuntimeError as e:
     print("failing reads: RuntimeError " + str(e))
 os.remove(fault)
 llm.reset()
-sys.stdout.write("after: " + complete())
+sys.stdout.write("after: " + complete() + "\n@@\n")
+try:
+    # verbose: llama-cpp-python hides stderr while a model loads unless asked.
+    Llama(model_path=other, verbose=True)
+    print("another model: loaded")
+except ValueError as e:
+    print("another model: ValueError")
+llm.reset()
+sys.stdout.write("still: " + complete() + "\n@@\n")
 "#;
+    // Another model with routed experts, loaded after the first was used:
+    // the arena was planned for the first.
+    let other = TempModel::generate("library-other.gguf", &["--preset", "tiny", "--seed", "2"]);
     let spec = format!("eio-while={}", fault.display());
     let o = run(
         Command::new(&python)
-            .args(["-c", script, model.to_str().unwrap(), bad.to_str().unwrap(), fault.to_str().unwrap(), PROMPT])
+            .args(["-c", script, model.to_str().unwrap(), bad.to_str().unwrap(), fault.to_str().unwrap(), PROMPT, other.to_str().unwrap()])
             .env("LLAMA_CPP_LIB_PATH", lib_dir())
             .envs([("SDQ_RAM_BUDGET", "1G"), ("SDQ_FAULT_READ", spec.as_str()), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")]),
         300,
@@ -312,7 +323,10 @@ sys.stdout.write("after: " + complete())
     let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
     assert!(out.contains("bad file: ValueError") && out.contains("failing reads: RuntimeError llama_decode returned 2"), "{out}{err}");
     assert!(err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()), "{err}");
-    assert_eq!(out.split("after: ").nth(1).map(str::trim_end), Some(expected.as_str()), "{out}");
+    let answer = |label: &str| out.split(label).nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string());
+    assert_eq!(answer("after: ").as_deref(), Some(expected.as_str()), "{out}");
+    assert!(out.contains("another model: ValueError") && err.contains("a model with routed experts loaded after the first batch ran"), "{out}{err}");
+    assert_eq!(answer("still: ").as_deref(), Some(expected.as_str()), "the first model after the second failed to load: {out}");
 
     // A budget too small for the arena: the first completion raises, and the
     // interpreter ends normally.
