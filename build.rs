@@ -107,10 +107,26 @@ fn shared_libraries(root: &Path, src: &Path, build_dir: &Path, pin: &Pin, lib: &
     link(&format!("../{bin}"), &format!("libllama.so.{version}"));
     link(&format!("libllama.so.{version}"), &format!("libllama.so.{major}"));
     link(&format!("libllama.so.{major}"), "libllama.so");
-    let mtmd = build_dir.join("shared").join(format!("libmtmd.so.{version}"));
-    fs::copy(&mtmd, lib.join(format!("libmtmd.so.{version}"))).unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", mtmd.display())));
-    link(&format!("libmtmd.so.{version}"), &format!("libmtmd.so.{major}"));
-    link(&format!("libmtmd.so.{major}"), "libmtmd.so");
+    // cmake's: libmtmd.so, and ggml's names (empty, needing libllama.so.0).
+    let ggml_version = pin.ggml_version.clone();
+    let ggml_major = ggml_version.split('.').next().unwrap_or("0").to_string();
+    for (name, version, major) in [("mtmd", &version, &major), ("ggml", &ggml_version, &ggml_major), ("ggml-base", &ggml_version, &ggml_major), ("ggml-cpu", &ggml_version, &ggml_major)] {
+        let real = format!("lib{name}.so.{version}");
+        let built = build_dir.join("shared").join(&real);
+        fs::copy(&built, lib.join(&real)).unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", built.display())));
+        link(&real, &format!("lib{name}.so.{major}"));
+        link(&format!("lib{name}.so.{major}"), &format!("lib{name}.so"));
+    }
+    // pkg-config, as upstream installs it, at this directory.
+    let prefix = lib.parent().unwrap_or(lib);
+    fs::create_dir_all(lib.join("pkgconfig")).unwrap_or_else(|e| fail(&format!("cannot create {}/pkgconfig: {e}", lib.display())));
+    let pc = format!(
+        "prefix={}\nlibdir=${{prefix}}/lib\nincludedir=${{prefix}}/include\n\nName: llama\nDescription: llama.cpp {} with sdq's pager (routed experts paged under SDQ_RAM_BUDGET)\nVersion: {}\nLibs: -L${{libdir}} -lggml -lggml-base -lllama\nCflags: -I${{includedir}}\n",
+        prefix.display(),
+        pin.llama_version,
+        pin.llama_version
+    );
+    fs::write(lib.join("pkgconfig/llama.pc"), pc).unwrap_or_else(|e| fail(&format!("cannot write llama.pc: {e}")));
 
     let include = lib.with_file_name("include");
     let _ = fs::remove_dir_all(&include);
@@ -137,6 +153,8 @@ struct Pin {
     commit: String,
     /// llama.cpp's version (`0.5.0-dev`): its libraries' VERSION and SOVERSION.
     llama_version: String,
+    /// ggml's (`0.25.3`), for its libraries' names.
+    ggml_version: String,
 }
 
 impl Pin {
@@ -152,13 +170,14 @@ impl Pin {
         if commit.len() != 40 || !commit.bytes().all(|b| b.is_ascii_hexdigit()) {
             fail(&format!("{}: commit '{commit}' is not a 40-digit hex id", path.display()));
         }
-        let llama_version = text
-            .lines()
-            .filter_map(|l| l.split_once('='))
-            .find(|(k, _)| k.trim() == "llama_version")
-            .map(|(_, v)| v.trim().to_string())
-            .unwrap_or_else(|| fail(&format!("{}: no 'llama_version = …' line", path.display())));
-        Pin { commit, llama_version }
+        let field = |key: &str| {
+            text.lines()
+                .filter_map(|l| l.split_once('='))
+                .find(|(k, _)| k.trim() == key)
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_else(|| fail(&format!("{}: no '{key} = …' line", path.display())))
+        };
+        Pin { commit, llama_version: field("llama_version"), ggml_version: field("ggml_version") }
     }
 }
 

@@ -50,6 +50,9 @@ pub fn install() {
     });
     // SAFETY: the table is static, so it outlives every model.
     unsafe { sys::sdq_set_hooks(&table.0) };
+    if let (Some(log), _) = current_log() {
+        let _ = DEFAULT_LOG.set(log as usize);
+    }
 }
 
 extern "C" fn abort_requested(_: *mut c_void) -> bool {
@@ -90,6 +93,37 @@ extern "C" fn report(_: *mut c_void, kind: i32, buf: *mut c_char, len: usize) ->
         unsafe { write_c_string(&text, buf, len) };
         text.len()
     })
+}
+
+/// llama.cpp's own log callback, as it was when sdq was installed: a host
+/// program that sets another (llama_log_set) collects llama.cpp's lines.
+static DEFAULT_LOG: OnceLock<usize> = OnceLock::new();
+
+/// The log callback llama.cpp has now, and its data.
+fn current_log() -> (sys::ggml_log_callback, *mut c_void) {
+    let mut callback: sys::ggml_log_callback = None;
+    let mut data: *mut c_void = std::ptr::null_mut();
+    // SAFETY: llama_log_get writes the current callback and its data into
+    // the two places given.
+    unsafe { sys::llama_log_get(&mut callback, &mut data) };
+    (callback, data)
+}
+
+/// Writes `line` on stderr and, where the host program set its own log
+/// callback, to that callback at error level too: a program that collects
+/// llama.cpp's errors in its own log finds sdq's there (llama-cpp-python's
+/// callback shows them only when verbose, so stderr stays).
+pub fn log_error(line: &str) {
+    eprintln!("{line}");
+    let (callback, data) = current_log();
+    let Some(log) = callback else { return };
+    if DEFAULT_LOG.get().is_some_and(|&d| d == log as usize) {
+        return;
+    }
+    let Ok(text) = std::ffi::CString::new(format!("{line}\n")) else { return };
+    // SAFETY: the callback llama.cpp itself would call, with its data and a
+    // NUL-terminated line that outlives the call.
+    unsafe { log(sys::GGML_LOG_LEVEL_ERROR, text.as_ptr(), data) };
 }
 
 /// Copies `text` into the C buffer `buf` of `len` bytes, cut to fit and

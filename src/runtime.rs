@@ -247,7 +247,7 @@ pub fn fail_batch(msg: &str) {
     // Said once per abandoned batch (its other threads may fail too, also
     // after ggml was told to stop, while they finish the node).
     if BATCH_ABORT.state.compare_exchange(IDLE, REQUESTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
-        eprintln!("sdq: error: {msg}; the batch is abandoned");
+        say_error(&format!("sdq: error: {msg}; the batch is abandoned"));
     }
     if first.is_none() {
         *first = Some(msg.to_string());
@@ -271,7 +271,7 @@ pub fn fail_load(msg: &str) {
     }
     let mut e = LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner());
     if e.is_none() {
-        eprintln!("sdq: error: {msg}");
+        say_error(&format!("sdq: error: {msg}"));
         *e = Some(msg.to_string());
     }
 }
@@ -279,6 +279,16 @@ pub fn fail_load(msg: &str) {
 /// The error that fails the model load in progress, once.
 pub fn take_load_error() -> Option<String> {
     LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// An error line: on stderr, or inside a host program in llama.cpp's log,
+/// where the program collects llama.cpp's own errors.
+fn say_error(line: &str) {
+    if EMBEDDED.load(Ordering::Acquire) {
+        crate::hooks::log_error(line);
+    } else {
+        eprintln!("{line}");
+    }
 }
 
 /// This process is a host program that loaded sdq's libllama.

@@ -11,6 +11,14 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+
+/* The program's own log: llama.cpp's lines (and sdq's errors) on stderr,
+ * each marked as the program's. */
+static void log_line(enum ggml_log_level level, const char * text, void * data) {
+    (void) data;
+    fprintf(stderr, "log(%d): %s", (int) level, text);
+}
 
 int main(int argc, char ** argv) {
     if (argc != 4) {
@@ -21,6 +29,7 @@ int main(int argc, char ** argv) {
     const int n_predict = atoi(argv[2]);
     const char * prompt = argv[3];
 
+    llama_log_set(log_line, NULL);
     ggml_backend_load_all();
     struct llama_model_params mparams = llama_model_default_params();
     struct llama_model * model = llama_model_load_from_file(path, mparams);
@@ -39,6 +48,11 @@ int main(int argc, char ** argv) {
 
     struct llama_context_params cparams = llama_context_default_params();
     cparams.n_ctx = 0; /* the model's */
+    /* One thread per online CPU, as llama-completion takes on this kind of
+     * machine; the library's default (4) on fewer cores spins at ggml's
+     * barriers. */
+    const long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    cparams.n_threads = cparams.n_threads_batch = (int32_t) (cpus > 0 ? cpus : 1);
     struct llama_context * ctx = llama_init_from_model(model, cparams);
     if (ctx == NULL) {
         fprintf(stderr, "error: cannot create a context\n");

@@ -32,21 +32,29 @@ fn completion_text(model: &Path, n: u32, extra: &[&str]) -> String {
     stdout(&o).trim_end().to_string()
 }
 
-/// The sonames and versions are upstream's, and libmtmd.so needs only
-/// libllama.so.0 of llama.cpp's libraries (so its calls reach the pager's
-/// copy), found beside it.
+/// The sonames and versions are upstream's (llama.cpp's 0.5.0, ggml's
+/// 0.25.3), and libmtmd.so and ggml's names need only libllama.so.0 of
+/// these libraries (so every call reaches the one copy, with the pager),
+/// found beside them.
 #[test]
 fn the_libraries_carry_upstreams_names() {
     let lib = lib_dir();
-    for (name, real) in [("libllama.so", "libllama.so.0.5.0"), ("libmtmd.so", "libmtmd.so.0.5.0")] {
+    for (name, real) in [
+        ("libllama.so", "libllama.so.0.5.0"),
+        ("libmtmd.so", "libmtmd.so.0.5.0"),
+        ("libggml.so", "libggml.so.0.25.3"),
+        ("libggml-base.so", "libggml-base.so.0.25.3"),
+        ("libggml-cpu.so", "libggml-cpu.so.0.25.3"),
+    ] {
         let resolved = std::fs::canonicalize(lib.join(name)).unwrap();
         assert!(lib.join(real).exists() && std::fs::read_link(lib.join(name)).unwrap() == Path::new(&name.replace(".so", ".so.0")), "{name} -> {}", resolved.display());
         let o = run(Command::new("readelf").args(["-d"]).arg(lib.join(name)), 30);
         let text = stdout(&o);
         let soname = name.replace(".so", ".so.0");
         assert!(text.contains(&format!("Library soname: [{soname}]")), "{name}: {text}");
-        if name == "libmtmd.so" {
-            assert!(text.contains("[libllama.so.0]") && !text.contains("libggml") && text.contains("$ORIGIN"), "{text}");
+        if name != "libllama.so" {
+            let needed: Vec<&str> = text.lines().filter(|l| l.contains("(NEEDED)")).collect();
+            assert!(needed.iter().any(|l| l.contains("[libllama.so.0]")) && !needed.iter().any(|l| l.contains("libggml")) && text.contains("$ORIGIN"), "{text}");
         }
     }
     // The C API of llama.h is exported; sdq's own symbols are not.
@@ -58,19 +66,38 @@ fn the_libraries_carry_upstreams_names() {
     assert!(!syms.lines().any(|l| l.ends_with(" sdq_set_hooks") || l.contains("runtime7install")), "sdq's internals are exported");
 }
 
-/// tests/c/greedy.c, compiled against the shipped headers and linked with
-/// `-lllama` from target/release/lib (once per run).
+/// What target/release/lib/pkgconfig/llama.pc gives a build (its `Cflags`
+/// and `Libs`, variables expanded), as `pkg-config --cflags --libs llama`
+/// would.
+fn pkg_config_flags() -> Vec<String> {
+    let text = std::fs::read_to_string(lib_dir().join("pkgconfig/llama.pc")).unwrap();
+    let mut vars: Vec<(String, String)> = Vec::new();
+    let expand = |v: &str, vars: &[(String, String)]| vars.iter().fold(v.to_string(), |acc, (k, val)| acc.replace(&format!("${{{k}}}"), val));
+    let mut flags = Vec::new();
+    for line in text.lines() {
+        if let Some((k, v)) = line.split_once('=').filter(|(k, _)| !k.contains(':') && !k.contains(' ')) {
+            let v = expand(v, &vars);
+            vars.push((k.to_string(), v));
+        } else if let Some(v) = line.strip_prefix("Cflags:").or_else(|| line.strip_prefix("Libs:")) {
+            flags.extend(expand(v, &vars).split_whitespace().map(str::to_string));
+        }
+    }
+    flags
+}
+
+/// tests/c/greedy.c, built as llama.pc says (the shipped headers,
+/// `-lggml -lggml-base -lllama` from target/release/lib), once per run.
 fn c_program() -> PathBuf {
     static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     EXE.get_or_init(|| {
         let exe = scratch().join("greedy-c");
+        let flags = pkg_config_flags();
+        assert!(flags.contains(&"-lllama".to_string()) && flags.contains(&"-lggml".to_string()), "llama.pc: {flags:?}");
         let o = run(
             Command::new("cc")
                 .arg("-O1")
-                .arg(format!("-I{}", include_dir().display()))
                 .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/c/greedy.c"))
-                .arg(format!("-L{}", lib_dir().display()))
-                .arg("-lllama")
+                .args(&flags)
                 .arg(format!("-Wl,-rpath,{}", lib_dir().display()))
                 .arg("-o")
                 .arg(&exe),
@@ -233,8 +260,9 @@ fn llama_cpp_python_server_answers_under_a_budget() {
 /// a budget too small for the arena and an expert read that fails past its
 /// retries make `llama_decode` return non-zero, and a bad file makes
 /// `llama_model_load_from_file` return NULL; sdq's line (or llama.cpp's) is
-/// on stderr. The C program reports each failure itself ("error: ..."), so
-/// the process was not ended from inside the library.
+/// on stderr and in the program's log callback. The C program reports each
+/// failure itself ("error: ..."), so the process was not ended from inside
+/// the library.
 #[test]
 fn errors_inside_a_c_program_are_the_programs() {
     let exe = c_program();
@@ -257,6 +285,8 @@ fn errors_inside_a_c_program_are_the_programs() {
     let (code, err) = greedy(model, &[("SDQ_RAM_BUDGET", "1G"), ("SDQ_FAULT_READ", &spec), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")]);
     std::fs::remove_file(&fault).unwrap();
     assert!(code == Some(1) && err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()) && err.contains("error: llama_decode returned 2"), "{code:?}: {err}");
+    // The program's log callback gets sdq's line at error level too.
+    assert!(err.lines().any(|l| l.starts_with("log(4): sdq: error: ") && l.ends_with("the batch is abandoned")), "{err}");
 
     let bad = scratch().join("library-errors-truncated.gguf");
     let bytes = std::fs::read(model).unwrap();
