@@ -109,8 +109,9 @@ fn c_program() -> PathBuf {
     .clone()
 }
 
-/// A C program in the style of upstream's examples/simple, compiled against
-/// the shipped headers and linked with `-lllama`: without a budget it gives
+/// A C program in the style of upstream's examples/simple, built as
+/// llama.pc says (the shipped headers, `-lggml -lggml-base -lllama`),
+/// with its own log callback: without a budget it gives
 /// llama-completion's greedy text; with `SDQ_RAM_BUDGET` (an arena of about
 /// one and a half token cycles) the same text, with experts paged, the stats
 /// file written and the budget held.
@@ -389,20 +390,10 @@ fn llama_cpp_python_chats_with_an_image_under_a_budget() {
     let python = venv();
     let (model, mmproj) = crate::vision::vision_model();
     let image = crate::vision::image();
-    let o = run(
-        Command::new(bin("llama-mtmd-cli"))
-            .arg("-m")
-            .arg(model)
-            .arg("--mmproj")
-            .arg(mmproj)
-            .arg("--image")
-            .arg(&image)
-            .args(["-p", "Describe the picture", "-n", "16", "--top-k", "1", "-t", "2", "-c", "2048", "-fa", "off"]),
-        300,
-    );
-    assert!(o.status.success(), "{}", stderr(&o));
-    let expected = stdout(&o).trim().to_string();
-    assert!(!expected.is_empty(), "llama-mtmd-cli answered nothing: {}", stderr(&o));
+    let (out, err, code) = crate::vision::describe(&["-c", "2048", "-fa", "off"]);
+    assert_eq!(code, Some(0), "{err}");
+    let expected = out.trim().to_string();
+    assert!(!expected.is_empty(), "llama-mtmd-cli answered nothing: {err}");
     let script = r#"
 import sys, base64
 from llama_cpp import Llama

@@ -82,7 +82,7 @@ pub(crate) fn image() -> PathBuf {
 }
 
 /// llama-mtmd-cli on the image, greedy, with `extra` arguments: (stdout, stderr, status).
-fn describe(extra: &[&str]) -> (String, String, Option<i32>) {
+pub(crate) fn describe(extra: &[&str]) -> (String, String, Option<i32>) {
     let (model, mmproj) = vision_model();
     let o = run(
         Command::new(bin("llama-mtmd-cli"))
