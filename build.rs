@@ -65,8 +65,9 @@ fn main() {
     // Before link()'s: the linker takes arguments in order, and the shared
     // library's whole archives must come before the group that loads parts
     // of the same archives for every other target.
-    shared_libraries(&root, &src, &build_dir, &pin, &out.ancestors().nth(3).unwrap_or(&out).join("lib"));
-    link(&build_dir);
+    let archives = cmake_archives(&build_dir);
+    shared_libraries(&root, &src, &build_dir, &archives, &pin, &out.ancestors().nth(3).unwrap_or(&out).join("lib"));
+    link(&archives);
 }
 
 /// libllama.so and libmtmd.so for programs that link llama.cpp (see
@@ -77,11 +78,9 @@ fn main() {
 ///   their C API (shim/libllama.map). Cargo writes it after this script, so
 ///   the names are symlinks to it.
 /// - libmtmd.so is cmake's (shim/CMakeLists.txt), needing libllama.so.0.
-fn shared_libraries(root: &Path, src: &Path, build_dir: &Path, pin: &Pin, lib: &Path) {
+fn shared_libraries(root: &Path, src: &Path, build_dir: &Path, archives: &[PathBuf], pin: &Pin, lib: &Path) {
     let version = pin.llama_version.split('-').next().unwrap_or("0.0.0").to_string();
     let major = version.split('.').next().unwrap_or("0").to_string();
-    let mut archives = Vec::new();
-    find_archives(build_dir, &mut archives);
     let whole: Vec<&PathBuf> = archives
         .iter()
         .filter(|a| a.file_name().is_some_and(|n| ["libllama.a", "libggml.a", "libggml-base.a", "libggml-cpu.a"].contains(&n.to_string_lossy().as_ref())))
@@ -701,18 +700,23 @@ fn generate_bindings(root: &Path, src: &Path, out: &Path, clang_includes: Option
         .unwrap_or_else(|e| fail(&format!("writing bindings: {e}")));
 }
 
-/// Links every static library the cmake build produced, as one group so their
-/// order does not matter. The C++ side never references Rust symbols (hooks go
-/// through a run-time table), so the group needs nothing from the rlibs.
-fn link(build_dir: &Path) {
+/// Every static library the cmake build produced, sorted; at least libllama.a.
+fn cmake_archives(build_dir: &Path) -> Vec<PathBuf> {
     let mut archives = Vec::new();
     find_archives(build_dir, &mut archives);
     archives.sort();
     if !archives.iter().any(|a| a.ends_with("libllama.a")) {
         fail(&format!("no libllama.a under {}", build_dir.display()));
     }
+    archives
+}
+
+/// Links every static library the cmake build produced, as one group so their
+/// order does not matter. The C++ side never references Rust symbols (hooks go
+/// through a run-time table), so the group needs nothing from the rlibs.
+fn link(archives: &[PathBuf]) {
     println!("cargo:rustc-link-arg=-Wl,--start-group");
-    for a in &archives {
+    for a in archives {
         println!("cargo:rustc-link-arg={}", a.display());
     }
     println!("cargo:rustc-link-arg=-Wl,--end-group");

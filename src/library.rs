@@ -42,12 +42,6 @@ pub fn init_from_env() {
     hooks::install();
     // The stats file and the summary line when the host program exits.
     // SAFETY: registering a plain extern "C" function with no state.
-    unsafe { libc::atexit(finish) };
+    unsafe { libc::atexit(crate::tools::finish_runtime) };
     log::info!("libllama: routed experts are paged within {}", crate::budget::human(budget));
-}
-
-extern "C" fn finish() {
-    if let Some(rt) = runtime::get() {
-        rt.finish(true);
-    }
 }

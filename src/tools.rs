@@ -37,7 +37,9 @@ extern "C" fn print_sdq_help() {
     eprint!("\n{}", options::HELP);
 }
 
-extern "C" fn finish_runtime() {
+/// At exit: the stats file and the summary line (also for a host program of
+/// sdq's libllama, src/library.rs).
+pub(crate) extern "C" fn finish_runtime() {
     finish_runtime_checked();
 }
 
