@@ -72,6 +72,18 @@ impl ModelMeta {
         }
     }
 
+    /// The compute buffers llama.cpp reserves for a context of this model
+    /// (`path`) at these batch sizes, less the share that gives every token
+    /// of a ubatch its logits, as a run counts them (a generating tool asks
+    /// for the last token's only). A file llama.cpp cannot make a context of
+    /// (it names why on stderr) is still accounted for from its metadata,
+    /// without them.
+    fn compute_bytes(&self, path: &Path, n_batch: u32, n_ubatch: u32) -> u64 {
+        let n_ctx = u32::try_from(self.n_ctx).unwrap_or(u32::MAX);
+        let logits = u64::from(n_ubatch) * self.n_vocab * 4;
+        crate::hooks::context_compute_bytes(path, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits)
+    }
+
     /// KV cache (f16, padded to 256 cells; sliding-window layers hold the
     /// window and one batch; latent attention caches its compressed key),
     /// recurrent state, and the process.
@@ -265,6 +277,7 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         meta.n_trunk = meta.n_blocks;
     }
     let (resident, mut paged, nextn_bytes) = target.split(meta.n_trunk);
+    let target_pages = !paged.is_empty();
     // A draft model's experts are the pager's layers after the target's,
     // read from its own files (see runtime::LoadedModel).
     let draft = match plan.draft {
@@ -316,7 +329,7 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
     if paged.is_empty() {
         return Ok(report);
     }
-    if paged.iter().any(|t| t.file < target.paths.len() as u32) {
+    if target_pages {
         crate::preflight::check_expert_counts(model, first)?;
     }
 
@@ -383,30 +396,21 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         // length (the tools' default), and the process with its vocabulary.
         // With --load-mode mmap the same bytes are held as mapped weights
         // instead, less the embedding's unread rows.
+        // A run counts its compute buffers as held before they are touched
+        // (patch 0006); llama.cpp caps the ubatch at the batch.
+        let n_batch = plan.n_batch.unwrap_or(2048);
+        let n_ubatch = plan.n_ubatch.unwrap_or(512).min(n_batch);
         let mut context = meta.context_bytes(&target.names(), first);
-        // The draft's context: its cache at the same length, its state and its process share.
-        if let Some((d, d_meta, ..)) = &draft {
-            context += ModelMeta { n_ctx: meta.n_ctx, ..d_meta.clone() }.context_bytes(&d.names(), &d.first);
+        let mut compute = meta.compute_bytes(model, n_batch, n_ubatch);
+        // The draft's context (its cache at the target's length, its state
+        // and its process share) and its compute buffers.
+        if let (Some((d, d_meta, ..)), Some(path)) = (&draft, plan.draft) {
+            let d_meta = ModelMeta { n_ctx: meta.n_ctx, ..d_meta.clone() };
+            context += d_meta.context_bytes(&d.names(), &d.first);
+            compute += d_meta.compute_bytes(path, n_batch, n_ubatch);
         }
         let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
         let anon_estimate = resident_total + context + projector_bytes;
-        // A run counts its compute buffers as held before they are touched
-        // (patch 0006); they are llama.cpp's own figure for these sizes.
-        // llama.cpp caps the ubatch at the batch.
-        let n_batch = plan.n_batch.unwrap_or(2048);
-        let n_ubatch = plan.n_ubatch.unwrap_or(512).min(n_batch);
-        let n_ctx = u32::try_from(meta.n_ctx).unwrap_or(u32::MAX);
-        // Less the share that gives every token of a ubatch its logits, as a
-        // run counts them (a generating tool asks for the last token's only).
-        // A file llama.cpp cannot make a context of (it names why on stderr)
-        // is still accounted for from its metadata, without them.
-        let logits = u64::from(n_ubatch) * meta.n_vocab * 4;
-        let mut compute = crate::hooks::context_compute_bytes(model, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits);
-        // The draft's compute buffers.
-        if let (Some((_, d_meta, ..)), Some(path)) = (&draft, plan.draft) {
-            let d_logits = u64::from(n_ubatch) * d_meta.n_vocab * 4;
-            compute += crate::hooks::context_compute_bytes(path, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(d_logits);
-        }
         let held = budget::Held { anon: anon_estimate + compute, mapped: 0 };
         let budget_json = match budget::arena_bytes(budget, reserve, held, None) {
             Ok(arena) => {

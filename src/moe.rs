@@ -615,9 +615,10 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
 }
 
 /// Writes this thread's share of `dst` as zeros: the experts' output of a
-/// batch the pager lets through without them (`Runtime::pager_if_ready`:
-/// the target's warm-up before its draft model loads, whose result the tool
-/// drops), with the layer's prediction dropped too.
+/// batch computed without the pager (`Runtime::pager_if_ready`: the target's
+/// warm-up before its draft model loads, whose result the tool drops, or a
+/// host program's batch that fails because the arena cannot be planned,
+/// whose output is never used), with the layer's prediction dropped too.
 ///
 /// # Safety
 /// `dst` must be this op's output: a contiguous tensor ggml allocated.

@@ -281,8 +281,8 @@ pub fn take_load_error() -> Option<String> {
     LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// An error line: on stderr, or inside a host program in llama.cpp's log,
-/// where the program collects llama.cpp's own errors.
+/// An error line on stderr; inside a host program also in the program's own
+/// llama.cpp log callback, if it set one (`hooks::log_error`).
 fn say_error(line: &str) {
     if EMBEDDED.load(Ordering::Acquire) {
         crate::hooks::log_error(line);
@@ -562,6 +562,12 @@ impl Runtime {
                 log::debug!("a batch before the draft model {} loaded (the warm-up): its routed experts are left out", path.display());
                 return None;
             }
+        }
+        // A host's batch already abandoned (its pager could not be created
+        // at an earlier layer or by another thread): the rest of it is left
+        // out, not planned again.
+        if self.pager.get().is_none() && EMBEDDED.load(Ordering::Acquire) && BATCH_ABORT.state.load(Ordering::Acquire) != IDLE {
+            return None;
         }
         match self.try_pager(top_k) {
             Ok(p) => Some(p),
