@@ -313,6 +313,12 @@ fn calls() -> &'static Mutex<HashMap<usize, Call>> {
 /// 2048-wide Q4_K expert are 18 KiB, which stays in L1.
 const ROW_BLOCK: usize = 16;
 
+/// Uses of one expert the fused op multiplies at a time. ggml's tiled
+/// kernel takes an expert's routed rows in windows of 256 (TILED_TILE_K),
+/// so cutting the rows at multiples of 256 gives every value the window
+/// stock gives it; the other kernels compute each row alone.
+const FUSED_ROWS: usize = 256;
+
 /// The tiled kernel's per-thread workspace, 64-byte aligned.
 struct Scratch {
     buf: Vec<u8>,
@@ -558,15 +564,6 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
         let Workspace { tiled, fused: f } = ws;
         while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
             let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
-            let n = uses.len() / 2;
-            f.gate.resize(n * n_ff, 0.0);
-            f.up.resize(n * n_ff, 0.0);
-            f.act.resize(n * n_ff, 0.0);
-            f.act_q.resize(n * down_act_bytes, 0);
-            f.out.resize(n * n_embd, 0.0);
-            // Use j of token t: gate and up read b's row t and write row j.
-            f.rows.clear();
-            f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
             let expert = match pager.acquire(op.layer, e, count) {
                 Ok(expert) => expert,
                 // As in the matmul: the batch is abandoned, its output unused.
@@ -575,37 +572,51 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
                     continue;
                 }
             };
-            // SAFETY: the parts are this expert's rows; b's rows are converted
-            // for gate and up (which share an activation type, checked when
-            // the op was built); row j of gate and up (n_ff floats at j ·
-            // n_ff · 4) is this thread's buffer.
-            unsafe {
-                gate.run(expert.part(Part::Gate), &batch.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
-                up.run(expert.part(Part::Up), &batch.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+            // At most FUSED_ROWS uses at a time: this thread's buffers stay
+            // the same size whatever the ubatch (an expert a whole ubatch
+            // routes to would otherwise take ubatch × n_ff floats thrice).
+            for uses in uses.chunks(2 * FUSED_ROWS) {
+                let n = uses.len() / 2;
+                f.gate.resize(n * n_ff, 0.0);
+                f.up.resize(n * n_ff, 0.0);
+                f.act.resize(n * n_ff, 0.0);
+                f.act_q.resize(n * down_act_bytes, 0);
+                f.out.resize(n * n_embd, 0.0);
+                // Use j of token t: gate and up read b's row t and write row j.
+                f.rows.clear();
+                f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
+                // SAFETY: the parts are this expert's rows; b's rows are converted
+                // for gate and up (which share an activation type, checked when
+                // the op was built); row j of gate and up (n_ff floats at j ·
+                // n_ff · 4) is this thread's buffer.
+                unsafe {
+                    gate.run(expert.part(Part::Gate), &batch.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                    up.run(expert.part(Part::Up), &batch.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                }
+                for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
+                    // SAFETY: three distinct buffers of n_ff floats.
+                    unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
+                }
+                for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
+                    op.down.convert_activation(act, q);
+                }
+                // Down reads activation row j and writes row j.
+                f.rows.clear();
+                f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
+                // SAFETY: as above, with down's rows and activations.
+                unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
+                for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
+                    // SAFETY: dst is F32 [n_embd, n_used, n_tokens], contiguous;
+                    // its row (k, t) belongs to expert e alone, and e to this
+                    // thread alone.
+                    let row = unsafe {
+                        let p = (dst.data as *mut u8).add(kt[1] as usize * dst.nb[2] + kt[0] as usize * dst.nb[1]);
+                        std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
+                    };
+                    row.copy_from_slice(out);
+                }
             }
-            for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
-                // SAFETY: three distinct buffers of n_ff floats.
-                unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
-            }
-            for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
-                op.down.convert_activation(act, q);
-            }
-            // Down reads activation row j and writes row j.
-            f.rows.clear();
-            f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
-            // SAFETY: as above, with down's rows and activations.
-            unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
             drop(expert); // release the slot as soon as this expert is done
-            for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
-                // SAFETY: dst is F32 [n_embd, n_used, n_tokens], contiguous;
-                // its row (k, t) belongs to expert e alone, and e to this
-                // thread alone.
-                let row = unsafe {
-                    let p = (dst.data as *mut u8).add(kt[1] as usize * dst.nb[2] + kt[0] as usize * dst.nb[1]);
-                    std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
-                };
-                row.copy_from_slice(out);
-            }
         }
     });
     if op.ends_step && ith == 0 {
