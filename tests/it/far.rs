@@ -25,7 +25,11 @@ fn check_against_stock(model: &Path, tag: &str, experts_per_layer: u64) {
         let probe = eval(model, &format!("{tag}-probe-{flags}"), &[&base[..], &["--ram-budget", "20G", "--sdq-reserve", "64M"]].concat());
         let stats = probe.stats.unwrap();
         let (all, min) = (all_arena(&stats, experts_per_layer), min_arena(&stats));
-        for (name, arena) in [("minimum", min + MIB), ("third", all / 3)] {
+        // The minimum with 8 MiB to spare: what a run holds after load
+        // varies by a few MiB from the probe's (malloc's arenas, pages the
+        // first graph touches), and a slot here is 12.6-13.8 MiB, so the
+        // arena still holds exactly one layer's top-k (checked below).
+        for (name, arena) in [("minimum", min + 8 * MIB), ("third", all / 3)] {
             let budget = budget_for(&stats, reserve, arena);
             let what = format!("{tag}: {name} arena, {flags}");
             let run = eval(model, &format!("{tag}-{name}-{flags}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat());
@@ -34,6 +38,10 @@ fn check_against_stock(model: &Path, tag: &str, experts_per_layer: u64) {
             let s = run.stats.unwrap();
             assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{what}: peak RSS over budget: {s}");
             assert!(u(&s, "misses") > 0, "{what}: an arena smaller than the experts must miss: {s}");
+            if name == "minimum" {
+                let slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
+                assert!(slots.iter().all(|&n| n == u(&s, "top_k")), "{what}: not one layer's top-k: {slots:?}");
+            }
             assert_eq!(s["vm_swap_bytes"].as_u64(), Some(0), "{what}: swapped");
         }
         if flags == "defaults" {
