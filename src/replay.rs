@@ -339,6 +339,9 @@ pub struct Outcome {
     /// (slot bytes, slots) per class.
     pub slots: Vec<(usize, usize)>,
     pub policies: Vec<(PolicyKind, Tally)>,
+    /// Per policy: seconds its replay took (lookups and the policy's
+    /// bookkeeping, as the pager does them per batch).
+    pub policy_seconds: Vec<f64>,
     pub belady: Tally,
     /// Each expert's decode count known in advance (`known_frequency`).
     pub known_frequency: Tally,
@@ -358,10 +361,13 @@ pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judg
     let layout = layout_of(trace);
     let classes = plan(trace, &layout, arena_bytes)?;
     let belady = belady(trace, &layout, &classes, judged_from);
+    let mut policy_seconds = Vec::new();
     let policies = policies
         .iter()
         .map(|&p| {
+            let started = std::time::Instant::now();
             let t = replay(trace, &layout, &classes, p, judged_from);
+            policy_seconds.push(started.elapsed().as_secs_f64());
             // A policy above the optimum means the replay or the bound is
             // wrong (over the whole trace: on a part, the optimum for the
             // whole is not a bound).
@@ -385,7 +391,7 @@ pub fn run_judged(trace: &Trace, arena_bytes: u64, policies: &[PolicyKind], judg
             (t, tally)
         })
         .collect();
-    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, belady, known_frequency, told })
+    Ok(Outcome { arena_bytes, slots: classes.iter().map(|c| (c.slot_bytes, c.count)).collect(), policies, policy_seconds, belady, known_frequency, told })
 }
 
 /// A row's name for `told`: told-B (batches), with the recall if not 1.
@@ -520,10 +526,12 @@ impl Report {
                 "arena_bytes": o.arena_bytes,
                 "token_cycles": o.arena_bytes as f64 / self.token_cycle.max(1) as f64,
                 "slot_classes": o.slots.iter().map(|&(b, n)| json!({"slot_bytes": b, "slots": n})).collect::<Vec<_>>(),
-                "policies": o.policies.iter().map(|(p, t)| {
+                "policies": o.policies.iter().zip(&o.policy_seconds).map(|((p, t), secs)| {
                     let mut v = tally(t);
                     v["policy"] = json!(p.name());
                     v["decode_gap_share_pct"] = json!(Self::gap_share(o, t));
+                    // What the pager spends per token on lookups and the policy.
+                    v["us_per_step"] = json!(secs * 1e6 / (self.prompt_steps + self.decode_steps).max(1) as f64);
                     v
                 }).collect::<Vec<_>>(),
                 "belady": tally(&o.belady),
@@ -565,6 +573,12 @@ mod tests {
     /// A random trace: `layers` layers of 2 slot classes, prompt batches of
     /// up to 40 tokens and decoded tokens, skewed routing.
     fn random(seed: u64, layers: u32, n_expert: u32, top_k: u32, steps: u64) -> Trace {
+        shifting(seed, layers, n_expert, top_k, steps, u64::MAX)
+    }
+
+    /// As `random`, with the router's favourites moved every `period`
+    /// steps (each layer's experts renumbered): a change of subject.
+    fn shifting(seed: u64, layers: u32, n_expert: u32, top_k: u32, steps: u64, period: u64) -> Trace {
         // splitmix64
         let mut state = seed;
         let mut next = move || {
@@ -589,6 +603,8 @@ mod tests {
                         // Squaring a uniform draw favours low expert numbers.
                         let u = (next() >> 40) as f32 / (1u64 << 24) as f32;
                         let e = ((u * u * n_expert as f32) as u32).min(n_expert - 1);
+                        // Renumbered by the subject: a rotation by a multiple of 7, per layer.
+                        let e = (e + (s / period.max(1)) as u32 * 7 * (l + 1)) % n_expert;
                         if !picked.contains(&e) {
                             picked.push(e);
                         }
@@ -626,11 +642,12 @@ mod tests {
     fn freq_auto_follows_the_better_way_of_sharing() {
         // On these traces neither way wins everywhere (shares lead on most,
         // freq over the whole class on some): auto, which learns which as it
-        // goes, must come within 3 % of the better, and may fall below the
-        // worse by no more than a switch costs (1 %).
+        // goes, must come within 4 % of the better, and may fall below the
+        // worse by no more than its switches cost (3 %: its hits age over
+        // 64 tokens, so on traces of 400 it spends a while learning).
         let (mut shares_ahead, mut freq_ahead) = (0, 0);
         for seed in 0..12 {
-            let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 200);
+            let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 400);
             let min = layout_of(&t).min_arena_bytes(t.top_k);
             for cycles in [1.0, 1.5, 2.0, 4.0] {
                 let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
@@ -639,10 +656,31 @@ mod tests {
                 shares_ahead += (shares > freq) as u32;
                 freq_ahead += (freq > shares) as u32;
                 let (better, worse) = (shares.max(freq), shares.min(freq));
-                assert!(auto * 100 >= better * 97 && auto * 100 >= worse * 99, "seed {seed}, {cycles} cycles: auto {auto}, shares {shares}, freq {freq}");
+                assert!(auto * 100 >= better * 96 && auto * 100 >= worse * 97, "seed {seed}, {cycles} cycles: auto {auto}, shares {shares}, freq {freq}");
             }
         }
         assert!(shares_ahead > 0 && freq_ahead > 0, "shares ahead {shares_ahead} times, freq {freq_ahead}: the test tells nothing");
+    }
+
+    #[test]
+    fn freq_auto_follows_lru_when_the_subject_keeps_changing() {
+        // Favourites that move every 8 tokens: counts that age over 64
+        // keep the last subjects' experts, and LRU leads. Auto follows it:
+        // within 5 % of LRU (without LRU among its ways, 12 % below), where
+        // freq alone falls up to 26 % below.
+        let mut freq_behind = 0;
+        for seed in 0..6 {
+            let t = shifting(seed, 4, 128, 4, 600, 8);
+            let min = layout_of(&t).min_arena_bytes(t.top_k);
+            for cycles in [2.0, 4.0, 8.0, 16.0] {
+                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let o = run(&t, arena, &[PolicyKind::FreqAuto, PolicyKind::Freq, PolicyKind::Lru]).unwrap();
+                let [auto, freq, lru] = [0, 1, 2].map(|i| o.policies[i].1.decode_hits);
+                freq_behind += (freq * 100 < lru * 95) as u32;
+                assert!(auto * 100 >= lru * 95, "seed {seed}, {cycles} cycles: auto {auto}, freq {freq}, lru {lru}");
+            }
+        }
+        assert!(freq_behind > 0, "freq never fell behind LRU: the test tells nothing");
     }
 
     #[test]

@@ -355,25 +355,43 @@ impl Policy for Freq {
 }
 
 /// How many tokens it takes a shadow's hit count to halve in `FreqAuto`.
-const AUTO_HALF_LIFE_TOKENS: f64 = 16.0;
+/// Chosen on the first half of the trained trace (steps 0-64), where 16
+/// fell 0.6 points below freq at 1 token cycle and 32 to 1000 did not; 64
+/// then held on the second half and on generated traces
+/// (docs/BENCHMARKS.md, "The policy").
+const AUTO_HALF_LIFE_TOKENS: f64 = 64.0;
 
-/// Freq with shares or without, whichever has been hitting more. Neither
-/// wins everywhere: on a trained model's routing, shares keep more from 1.5
-/// token cycles on; where the router's favourites are stable, as in
-/// generated models, freq over the whole class does (docs/BENCHMARKS.md,
-/// "Each layer its share"). So two shadow slot tables, one per way, replay
-/// every batch's lookups (demand only, over the plan's full classes), each
-/// with its hits aged by `AUTO_HALF_LIFE_TOKENS`; the arena's own victims
-/// follow the one ahead, and shares stay off until one is.
+/// Freq with shares, freq without, or LRU: whichever has been hitting
+/// more. None wins everywhere: on a trained model's routing, shares keep
+/// more from 1.5 token cycles on; where the router's favourites are
+/// stable, as in generated models, freq over the whole class does
+/// (docs/BENCHMARKS.md, "Each layer its share"); and where the experts in
+/// use change faster than the counts age, LRU leads. So three shadow slot
+/// tables, one per way, replay every batch's lookups (demand only, over
+/// the plan's full classes), each with its hits aged by
+/// `AUTO_HALF_LIFE_TOKENS`; the arena's own victims follow the one ahead,
+/// freq without shares until another is.
 pub struct FreqAuto {
     live: Freq,
-    /// Shadows: [with shares, without].
-    shadows: [Shadow; 2],
+    /// LRU's order over the arena's own slots, for when it leads.
+    live_lru: Lru,
+    /// Shadows, in `Way` order.
+    shadows: [Shadow; 3],
+    /// The way the arena follows now.
+    way: Way,
     plan: Plan,
     /// The batch under way: its layer and the experts used so far.
     batch: Option<(u32, Vec<u32>)>,
     /// The factor a shadow's hits keep per batch.
     aging: f64,
+}
+
+/// The ways `FreqAuto` follows, as indices of its shadows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    Shares = 0,
+    Whole = 1,
+    Lru = 2,
 }
 
 struct Shadow {
@@ -386,18 +404,21 @@ impl FreqAuto {
         let n_slots = plan.classes.iter().map(|c| c.end).max().unwrap_or(0);
         let mut live = Freq::with_shares(n_slots, plan);
         live.shares_on = false;
-        let shadow = |p: Freq| Shadow { res: super::residency::Residency::new(n_slots, Box::new(p)), hits: 0.0 };
+        let shadow = |p: Box<dyn Policy>| Shadow { res: super::residency::Residency::new(n_slots, p), hits: 0.0 };
         let n_layers = plan.layer_class.len().max(1) as f64;
         FreqAuto {
             live,
-            shadows: [shadow(Freq::with_shares(n_slots, plan)), shadow(Freq::new(n_slots))],
+            live_lru: Lru::new(n_slots),
+            shadows: [shadow(Box::new(Freq::with_shares(n_slots, plan))), shadow(Box::new(Freq::new(n_slots))), shadow(Box::new(Lru::new(n_slots)))],
+            way: Way::Whole,
             plan: plan.clone(),
             batch: None,
             aging: (-1.0 / (AUTO_HALF_LIFE_TOKENS * n_layers)).exp2(),
         }
     }
 
-    /// The shadows replay the batch just done, and the one ahead leads.
+    /// The shadows replay the batch just done, and the one ahead leads
+    /// (on a tie, the way followed now).
     fn close_batch(&mut self) {
         let Some((layer, experts)) = self.batch.take() else { return };
         let Some(class) = self.plan.layer_class.iter().find(|&&(l, _)| l == layer).and_then(|&(_, c)| self.plan.classes.get(c)).cloned() else {
@@ -407,10 +428,12 @@ impl FreqAuto {
             let adm = sh.res.admit_unpinned(layer, class.clone(), &experts);
             sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
         }
-        let [with, without] = &self.shadows;
-        if with.hits != without.hits {
-            self.live.shares_on = with.hits > without.hits;
+        for way in [Way::Shares, Way::Whole, Way::Lru] {
+            if self.shadows[way as usize].hits > self.shadows[self.way as usize].hits {
+                self.way = way;
+            }
         }
+        self.live.shares_on = self.way == Way::Shares;
     }
 }
 
@@ -423,10 +446,12 @@ impl Policy for FreqAuto {
         self.close_batch();
         self.batch = Some((layer, Vec::new()));
         self.live.begin_batch(layer);
+        self.live_lru.begin_batch(layer);
     }
 
     fn filled(&mut self, slot: SlotId, key: ExpertKey) {
         self.live.filled(slot, key);
+        self.live_lru.filled(slot, key);
     }
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
@@ -436,14 +461,19 @@ impl Policy for FreqAuto {
             }
         }
         self.live.used(slot, key);
+        self.live_lru.used(slot, key);
     }
 
     fn forget(&mut self, slot: SlotId) {
         self.live.forget(slot);
+        self.live_lru.forget(slot);
     }
 
     fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        self.live.victim(layer, slots, evictable)
+        match self.way {
+            Way::Lru => self.live_lru.victim(layer, slots, evictable),
+            Way::Shares | Way::Whole => self.live.victim(layer, slots, evictable),
+        }
     }
 
     fn counts(&self) -> Vec<(ExpertKey, f64)> {

@@ -234,27 +234,35 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     let belady = at["belady"]["decode_hit_pct"].as_f64().unwrap();
     assert!((lru - 36.1).abs() < 1.5 && (belady - 65.7).abs() < 1.5, "lru {lru}, Bélády {belady}");
 
-    // Judged on the second half of the decoded tokens (steps 65–128), with
-    // the first half replayed: what the policy learned from it carries over.
-    let cycles = [0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0];
+    // Never below LRU, and within half a point of freq, at every size from
+    // 0.5 to 8 token cycles: on the whole trace, on its first half alone
+    // (steps 0-64, written apart), and judged on its second (65-128) with
+    // the first replayed before.
+    let cycles = [0.5, 0.75, 1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 6.0, 8.0];
     let list = cycles.map(|c| c.to_string()).join(",");
-    let r = replay(&trace, &["--cycles", &list, "--judged-from", "65"]);
-    assert_eq!(r["judged_from_step"], 65);
-    let mut shares = Vec::new();
-    for (c, at) in cycles.iter().zip(r["results"].as_array().unwrap()) {
-        let default = tally(at, "freq-auto");
-        let lru = tally(at, "lru");
-        let (d, l) = (default["decode_hit_pct"].as_f64().unwrap(), lru["decode_hit_pct"].as_f64().unwrap());
-        assert!(d >= l, "{c} token cycles: the default policy's {d:.1} % is below LRU's {l:.1} %");
-        if (1.0..=4.0).contains(c) {
-            shares.push(default["decode_gap_share_pct"].as_f64().unwrap());
+    let first = scratch().join("trained-first-half.trace.csv");
+    let text = std::fs::read_to_string(&trace).unwrap();
+    let kept: Vec<&str> = text.lines().filter(|l| !l.starts_with(|c: char| c.is_ascii_digit()) || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= 64)).collect();
+    std::fs::write(&first, kept.join("\n") + "\n").unwrap();
+    let mut judged_shares = Vec::new();
+    for (part, path, judged) in [("whole", &trace, "0"), ("first half", &first, "0"), ("second half", &trace, "65")] {
+        let r = replay(path, &["--cycles", &list, "--judged-from", judged]);
+        assert_eq!(r["judged_from_step"].as_u64(), Some(judged.parse().unwrap()));
+        for (c, at) in cycles.iter().zip(r["results"].as_array().unwrap()) {
+            let pct = |p: &str| tally(at, p)["decode_hit_pct"].as_f64().unwrap();
+            let (d, l, f) = (pct("freq-auto"), pct("lru"), pct("freq"));
+            assert!(d >= l, "{part}, {c} token cycles: the default policy's {d:.1} % is below LRU's {l:.1} %");
+            assert!(d >= f - 0.5, "{part}, {c} token cycles: the default policy's {d:.1} % is more than half a point below freq's {f:.1} %");
+            if judged == "65" && [1.0, 1.5, 2.0, 3.0, 4.0].contains(c) {
+                judged_shares.push(tally(at, "freq-auto")["decode_gap_share_pct"].as_f64().unwrap());
+            }
         }
     }
-    let mean = shares.iter().sum::<f64>() / shares.len() as f64;
-    eprintln!("default policy, judged on steps 65-128: shares of the LRU → Bélády gap at 1-4 token cycles {shares:.1?}, mean {mean:.1} %");
-    // Measured 35.1 % when the default became freq-auto (freq: 23.4 %): it
-    // may rise, not fall.
-    assert!(mean >= 34.0, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 35.1 %)");
+    let mean = judged_shares.iter().sum::<f64>() / judged_shares.len() as f64;
+    eprintln!("default policy, judged on steps 65-128: shares of the LRU → Bélády gap at 1-4 token cycles {judged_shares:.1?}, mean {mean:.1} %");
+    // Measured 35.9 % with LRU among the default's ways (35.1 % before;
+    // freq: 23.4 %): it may rise, not fall.
+    assert!(mean >= 35.5, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 35.9 %)");
 }
 
 /// `sdq inspect --trace` with another geometry's routing (the trained
