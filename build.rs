@@ -7,6 +7,9 @@
 //! and patched there, and files are rewritten only when their content changes,
 //! so cmake rebuilds only what a patch touched. This script reruns only when the
 //! pin, the patches, the shims or itself change, never for a Rust-only edit.
+//!
+//! Over 600 lines: one pipeline, read top to bottom, each stage its own
+//! short function; splitting it would scatter the order of the stages.
 
 use std::collections::BTreeSet;
 use std::env;
@@ -71,7 +74,7 @@ fn main() {
 }
 
 /// libllama.so and libmtmd.so for programs that link llama.cpp (see
-/// src/library.rs), under upstream's names, SONAMEs and versions, in
+/// src/host/library.rs), under upstream's names, SONAMEs and versions, in
 /// TARGET/PROFILE/lib with the headers beside in TARGET/PROFILE/include:
 /// - libllama.so is the `sdq-libllama` target, linked here as a shared
 ///   object holding llama.cpp's and ggml's archives whole and exporting

@@ -1,39 +1,30 @@
 //! sdq: run mixture-of-experts GGUF models larger than RAM.
 //!
-//! The crate builds the pinned llama.cpp (see `build.rs`), links its tools into
-//! drop-in binaries (`src/bin/`), and generates MoE models to run them on
-//! ([`genmodel`]). The routed-expert pager plugs into llama.cpp through the hook
-//! table declared in `shim/sdq-hooks.h`.
+//! The crate builds the pinned llama.cpp (see `build.rs`), links its tools
+//! into drop-in binaries, and pages the routed experts of a model from its
+//! file into a fixed arena while ggml does the routing and the arithmetic.
+//! The source is laid out in three parts, each only using the ones before:
+//!
+//! - [`engine`]: what runs inside a llama.cpp process under a budget, by
+//!   concept and in layers (bindings, model metadata, memory, the pager,
+//!   routing records, the process state, the expert op, the hooks llama.cpp
+//!   calls). Its own doc gives the layers' order.
+//! - [`host`]: where the engine starts: the drop-in tools' entry
+//!   (`llama-cli`, `llama-server`, …) and `libllama.so`'s load in a program
+//!   that links llama.cpp.
+//! - [`commands`]: sdq's own subcommands (`sdq demo`, `gen-model`, `inspect`,
+//!   `replay`, `limit`, `eval`, `bench-disk`), which use the engine's pieces
+//!   but are never part of a tool's process.
+//!
+//! `src/bin/` holds one thin `main` per binary. The C++ side talks to the
+//! engine through one header, `shim/sdq-hooks.h`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod backend;
-pub mod budget;
-pub mod demo;
-pub mod diskbench;
+pub mod commands;
+pub mod engine;
 pub mod error;
-pub mod eval;
-pub mod genmodel;
-pub mod ggml;
-pub mod gguf;
-pub mod growth;
-pub mod hotset;
-pub mod hooks;
-pub mod inspect;
-pub mod library;
-pub mod limit;
-pub mod metrics;
-pub mod moe;
-pub mod options;
-pub mod pager;
-pub mod phases;
-pub mod preflight;
-pub mod pressure;
-pub mod replay;
-pub mod runtime;
-pub mod sys;
-pub mod tools;
-pub mod trace;
+pub mod host;
 
 pub use error::{Error, Result};

@@ -19,14 +19,14 @@ fn scratch() -> &'static PathBuf {
 fuzz_target!(|data: &[u8]| {
     let path = scratch();
     std::fs::write(path, data).expect("scratch file is writable");
-    if sdq::preflight::check_model(path).is_err() {
+    if sdq::engine::runtime::preflight::check_model(path).is_err() {
         return;
     }
-    let _ = sdq::inspect::inspect(path, Some(8 << 30), None).map(|r| sdq::inspect::render(&r));
-    if let Ok(g) = sdq::gguf::Gguf::open(path) {
+    let _ = sdq::commands::inspect::inspect(path, Some(8 << 30), None).map(|r| sdq::commands::inspect::render(&r));
+    if let Ok(g) = sdq::engine::model::gguf::Gguf::open(path) {
         for key in g.keys() {
             let _ = g.get(&key);
         }
-        let _ = sdq::growth::checkpoint_bytes(&g);
+        let _ = sdq::engine::memory::growth::checkpoint_bytes(&g);
     }
 });

@@ -6,8 +6,8 @@ use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
     let path = std::path::Path::new("fuzz-hot.txt");
-    let Ok(set) = sdq::hotset::HotSet::read(path, data) else { return };
-    let again = sdq::hotset::HotSet::read(path, set.to_text().as_bytes()).expect("a saved hot set reads back");
+    let Ok(set) = sdq::engine::routing::hotset::HotSet::read(path, data) else { return };
+    let again = sdq::engine::routing::hotset::HotSet::read(path, set.to_text().as_bytes()).expect("a saved hot set reads back");
     assert_eq!(again.layers, set.layers);
     assert_eq!(again.experts.len(), set.experts.len());
     for (a, b) in again.experts.iter().zip(&set.experts) {

@@ -16,23 +16,23 @@ fuzz_target!(|data: &[u8]| {
     let lookup = |k: &str| ENV.iter().position(|e| *e == k).and_then(|i| env.get(i).cloned());
     let mut argv: Vec<std::ffi::OsString> = std::iter::once("llama-server".into()).chain(args.iter().map(Into::into)).collect();
     let before = argv.len();
-    if let Ok(o) = sdq::options::Options::from_args_and_env(&mut argv, lookup) {
+    if let Ok(o) = sdq::engine::runtime::options::Options::from_args_and_env(&mut argv, lookup) {
         assert!(argv.len() <= before);
         let _ = o.to_env();
         if let Some(b) = o.budget {
-            let reserve = o.reserve.unwrap_or_else(|| sdq::budget::default_reserve(b));
+            let reserve = o.reserve.unwrap_or_else(|| sdq::engine::memory::budget::default_reserve(b));
             let argv: Vec<String> = argv.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-            if let Ok(s) = sdq::growth::ToolSettings::from_args_and_env(&argv, &lookup) {
-                if let Ok(p) = sdq::growth::plan(&s, reserve, u32::MAX as u64) {
+            if let Ok(s) = sdq::engine::memory::growth::ToolSettings::from_args_and_env(&argv, &lookup) {
+                if let Ok(p) = sdq::engine::memory::growth::plan(&s, reserve, u32::MAX as u64) {
                     assert!(p.reserve >= reserve);
                 }
             }
         }
     }
     for p in &parts {
-        if let Ok(n) = sdq::budget::parse_size(p) {
-            let _ = sdq::budget::human(n);
+        if let Ok(n) = sdq::engine::memory::budget::parse_size(p) {
+            let _ = sdq::engine::memory::budget::human(n);
         }
-        let _ = sdq::pager::io::FaultPlan::parse(p);
+        let _ = sdq::engine::pager::io::FaultPlan::parse(p);
     }
 });

@@ -1,4 +1,4 @@
 //! `llama-perplexity`: upstream's tool, linked with sdq (same flags, output and exit codes).
 fn main() {
-    sdq::tools::run(sdq::tools::entry::sdq_tool_perplexity)
+    sdq::host::tools::run(sdq::host::tools::entry::sdq_tool_perplexity)
 }

@@ -1,4 +1,4 @@
 //! `llama-quantize`: upstream's tool, linked with sdq (same flags, output and exit codes).
 fn main() {
-    sdq::tools::run(sdq::tools::entry::sdq_tool_quantize)
+    sdq::host::tools::run(sdq::host::tools::entry::sdq_tool_quantize)
 }

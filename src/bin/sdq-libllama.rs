@@ -1,7 +1,7 @@
 //! `libllama.so` with sdq's pager inside: built as a shared object (build.rs
 //! links this target with `-shared`, upstream's SONAME and llama.cpp's and
 //! ggml's archives whole) and installed as target/release/lib/libllama.so.
-//! Loading it runs `sdq::library::init_from_env`.
+//! Loading it runs `sdq::host::library::init_from_env`.
 #![no_main]
 
 /// Run by the dynamic loader when the library is loaded.
@@ -10,5 +10,5 @@
 static INIT: extern "C" fn() = init;
 
 extern "C" fn init() {
-    sdq::library::init_from_env();
+    sdq::host::library::init_from_env();
 }

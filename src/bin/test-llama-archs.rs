@@ -2,5 +2,5 @@
 //! `-o DIR` writes a small model of every architecture the pinned tree
 //! knows, which the tests run under budgets (tests/it/archs.rs).
 fn main() {
-    sdq::tools::run(sdq::tools::entry::sdq_tool_test_llama_archs)
+    sdq::host::tools::run(sdq::host::tools::entry::sdq_tool_test_llama_archs)
 }

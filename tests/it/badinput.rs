@@ -3,7 +3,7 @@
 //! without routed experts runs as stock with a one-line notice.
 
 use crate::util::*;
-use sdq::gguf::{GgufBuilder, Value};
+use sdq::engine::model::gguf::{GgufBuilder, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -109,7 +109,7 @@ fn a_model_without_routed_experts_runs_as_stock_with_a_notice() {
     let dense = gen_model("dense-like.gguf", &["--preset", "tiny", "--layers", "4"]);
     // gen-model writes only MoE models; renaming the expert tensors in the
     // header (same length, so no offset moves) leaves a model without any.
-    let header = sdq::gguf::Gguf::open(&dense).unwrap().data_offset() as usize;
+    let header = sdq::engine::model::gguf::Gguf::open(&dense).unwrap().data_offset() as usize;
     let mut out = std::fs::read(&dense).unwrap();
     let mut i = 0;
     while let Some(pos) = find(&out[i..header], b"_exps.") {

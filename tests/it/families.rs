@@ -128,7 +128,7 @@ fn each_family_has_its_own_keys_and_tensors() {
         ("llama", &["llama.expert_count"], &["blk.0.ffn_norm.weight", "blk.0.ffn_gate_exps.weight"]),
     ];
     for (name, keys, tensors) in expect {
-        let g = sdq::gguf::Gguf::open(&family_model(name)).unwrap();
+        let g = sdq::engine::model::gguf::Gguf::open(&family_model(name)).unwrap();
         assert_eq!(g.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).as_deref(), Some(*name));
         for k in keys.iter() {
             assert!(g.get(k).is_some(), "{name}: no key {k}");

@@ -7,7 +7,7 @@
 
 use crate::pager::{budget_for, eval, max_abs_diff, MIB};
 use crate::util::*;
-use sdq::gguf::Gguf;
+use sdq::engine::model::gguf::Gguf;
 use std::path::Path;
 use std::process::Command;
 

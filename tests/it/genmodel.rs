@@ -2,8 +2,8 @@
 //! says, the llama.cpp tools load them, and the output is deterministic.
 
 use crate::util::*;
-use sdq::ggml::GgmlType;
-use sdq::gguf::{Array, Gguf, Value};
+use sdq::engine::ffi::ggml::GgmlType;
+use sdq::engine::model::gguf::{Array, Gguf, Value};
 use std::process::Command;
 
 /// Q4_K_M's `use_more_bits`, written out again here so the test does not
@@ -12,7 +12,7 @@ fn more_bits(i: i64, n: i64) -> bool {
     i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2
 }
 
-fn tensor<'a>(ts: &'a [sdq::gguf::TensorInfo], name: &str) -> &'a sdq::gguf::TensorInfo {
+fn tensor<'a>(ts: &'a [sdq::engine::model::gguf::TensorInfo], name: &str) -> &'a sdq::engine::model::gguf::TensorInfo {
     ts.iter().find(|t| t.name == name).unwrap_or_else(|| panic!("no tensor {name}"))
 }
 

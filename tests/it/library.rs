@@ -8,13 +8,9 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// target/release/lib and target/release/include.
+/// target/release/lib.
 fn lib_dir() -> PathBuf {
     bin("sdq").with_file_name("lib")
-}
-
-fn include_dir() -> PathBuf {
-    bin("sdq").with_file_name("include")
 }
 
 const PROMPT: &str = "The rivers and the mountains";

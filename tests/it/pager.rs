@@ -1,6 +1,9 @@
 //! The pager against stock llama.cpp on the same model: identical greedy
 //! tokens and logits at every budget, thread count and batch size; budgets
 //! measured; expert bytes never read at load; faults and bad input stop runs.
+//!
+//! Over 600 lines: every pager test shares the same model, runs and
+//! helpers, so they are kept in one file.
 
 use crate::util::*;
 use serde_json::Value;
@@ -360,7 +363,7 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
 
 /// Page-cache residency of the routed-expert ranges of `model` (whole pages only).
 fn resident_expert_pages(model: &Path) -> (usize, usize) {
-    let g = sdq::gguf::Gguf::open(model).unwrap();
+    let g = sdq::engine::model::gguf::Gguf::open(model).unwrap();
     let f = std::fs::File::open(model).unwrap();
     let len = f.metadata().unwrap().len() as usize;
     use std::os::fd::AsRawFd;
@@ -578,7 +581,7 @@ fn router_skew_sets_how_many_experts_a_text_touches() {
 /// embedding's other rows): every resident tensor but `token_embd`.
 #[test]
 fn resident_weights_are_counted_against_the_budget() {
-    let g = sdq::gguf::Gguf::open(tiny()).unwrap();
+    let g = sdq::engine::model::gguf::Gguf::open(tiny()).unwrap();
     let ts = g.tensors();
     let resident: u64 = ts.iter().filter(|t| !t.name.contains("_exps.")).map(|t| t.size).sum();
     let embd = ts.iter().find(|t| t.name == "token_embd.weight").unwrap().size;

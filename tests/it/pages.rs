@@ -2,7 +2,7 @@
 //! them, 4 KiB pages otherwise, and the same tokens either way.
 
 use crate::util::*;
-use sdq::pager::arena::thp_mode;
+use sdq::engine::pager::arena::thp_mode;
 use std::process::Command;
 
 const THP: &str = "/sys/kernel/mm/transparent_hugepage/enabled";
@@ -145,7 +145,7 @@ fn populating_ahead_stays_within_its_window_of_the_filled_slots() {
     assert_eq!(s["arena_populate"], "ahead", "{s}");
     assert_eq!(s["slot_classes"].as_array().map(Vec::len), Some(1), "{s}");
     let (arena, filled, resident) = (u(&s, "arena_slot_bytes"), u(&s, "arena_filled_bytes"), u(&s, "arena_resident_bytes"));
-    let window = sdq::pager::POPULATE_AHEAD_BYTES as u64;
+    let window = sdq::engine::pager::POPULATE_AHEAD_BYTES as u64;
     assert!(filled > 0 && filled + window < arena, "the run should leave more than the window unfilled: {s}");
     // The window, and a huge page's rounding where the slot ends.
     assert!(resident <= filled + window + (2 << 20), "populated {resident} B with {filled} B filled: {s}");

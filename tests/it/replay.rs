@@ -191,8 +191,13 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         let body = format!(r#"{{"prompt": "{PROMPT}", "n_predict": 8, "temperature": 0, "cache_prompt": false}}"#);
         let (status, reply) = http(port, "POST", "/completion", Some(&body)).unwrap();
         assert_eq!(status, 200, "{reply}");
-        // The stats file is rewritten each second.
-        std::thread::sleep(std::time::Duration::from_millis(1500));
+        // The stats file is rewritten each second: the next one counts the request.
+        let answered = std::time::SystemTime::now();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while std::fs::metadata(&stats).and_then(|m| m.modified()).map_or(true, |t| t <= answered) {
+            assert!(std::time::Instant::now() < deadline, "the stats file was not rewritten after the request");
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         let misses = read("misses").unwrap() - before;
         drop(srv);
         (serde_json::from_str::<Value>(&reply).unwrap()["content"].clone(), misses)

@@ -5,7 +5,7 @@
 
 use crate::pager::{budget_for, eval, max_abs_diff, MIB};
 use crate::util::*;
-use sdq::gguf::Gguf;
+use sdq::engine::model::gguf::Gguf;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

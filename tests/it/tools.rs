@@ -87,9 +87,9 @@ fn quantize_output_runs() {
     assert!(o.status.success(), "llama-quantize failed:\n{}", stderr(&o));
     let c = run(Command::new(bin("llama-completion")).args(completion_args(&out, "Hello", 8)), 300);
     assert!(c.status.success(), "re-quantized model does not run:\n{}", stderr(&c));
-    let ts = sdq::gguf::Gguf::open(&out).unwrap().tensors();
+    let ts = sdq::engine::model::gguf::Gguf::open(&out).unwrap().tensors();
     let down = ts.iter().find(|t| t.name == "blk.0.ffn_down_exps.weight").unwrap();
-    assert_eq!(down.ty, sdq::ggml::GgmlType::Q8_0, "model was not re-quantized");
+    assert_eq!(down.ty, sdq::engine::ffi::ggml::GgmlType::Q8_0, "model was not re-quantized");
 }
 
 #[test]
@@ -194,7 +194,7 @@ fn imatrix_under_a_budget_writes_stocks_file() {
         assert!(paged.status.success(), "{}", stderr(&paged));
         let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
         assert!(u(&s, "misses") > 0, "{family}: {s}");
-        let names: Vec<String> = sdq::gguf::Gguf::open(&out("paged")).unwrap().tensors().into_iter().map(|t| t.name).collect();
+        let names: Vec<String> = sdq::engine::model::gguf::Gguf::open(&out("paged")).unwrap().tensors().into_iter().map(|t| t.name).collect();
         assert!(names.iter().any(|n| n.contains("ffn_down_exps")) && names.iter().any(|n| n.contains("ffn_gate_exps")), "{family}: no expert statistics in {names:?}");
         assert!(std::fs::read(out("paged")).unwrap() == std::fs::read(out("stock")).unwrap(), "{family}: the imatrix differs from stock's");
     }

@@ -264,7 +264,7 @@ fn sdq_inspect_counts_the_projector_before_the_arena() {
     let p = &with["projector"];
     assert_eq!(p["projector_type"], "minicpmv4_6", "{p}");
     let weights = u(p, "weights_bytes");
-    assert_eq!(weights, sdq::gguf::Gguf::open(mmproj).unwrap().tensors().iter().map(|t| t.size).sum::<u64>());
+    assert_eq!(weights, sdq::engine::model::gguf::Gguf::open(mmproj).unwrap().tensors().iter().map(|t| t.size).sum::<u64>());
     assert!(u(p, "compute_bytes") > 0, "{p}");
     let projector = weights + u(p, "compute_bytes");
     assert_eq!(u(&with["budget"], "projector_estimate_bytes"), projector);

@@ -1,0 +1,242 @@
+//! Running a command inside an enforced memory limit: a memory cgroup (v2
+//! `memory.max` + `memory.swap.max = 0`, or v1 `memory.limit_in_bytes` +
+//! `memory.memsw.limit_in_bytes`) created under this process's own cgroup,
+//! removed afterwards. The kernel counts page cache against the limit, so a
+//! run that fits is one that really fits. Where no memory cgroup is writable,
+//! the command runs unconfined and only its RSS is measured, and the report
+//! says so. Also: changing a running process's limit without the kernel
+//! killing it (`change_limit`: the soft limit first, so the process can give
+//! memory back before the hard limit falls).
+
+use crate::engine::memory::cgroup::{anon_bytes, hard_limit, keyed, memory_cgroup_of, own_memory_cgroup, read_u64, soft_limit, Version};
+use crate::error::{Error, Result};
+use serde_json::{json, Value};
+use std::fs;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::time::Instant;
+
+/// The running command's pid, for the signal forwarder (0: none).
+static CHILD: AtomicI32 = AtomicI32::new(0);
+
+/// Forwards SIGINT/SIGTERM/SIGHUP to the command, so the runner itself
+/// lives on to collect the report and remove its cgroup.
+extern "C" fn forward_signal(sig: libc::c_int) {
+    let pid = CHILD.load(Ordering::SeqCst);
+    if pid > 0 {
+        // SAFETY: kill is async-signal-safe and touches no memory of ours.
+        unsafe { libc::kill(pid, sig) };
+    }
+}
+
+/// Page cache and kernel memory the cgroup keeps under a lowered limit
+/// besides its anonymous memory: a hard limit is set only once anonymous
+/// memory is this far below it.
+const LOWER_MARGIN: u64 = 16 << 20;
+
+/// Sets the memory limit of process `pid`'s cgroup to `limit`, the way a
+/// running process survives. Lowering: the soft limit first; a process
+/// watching it (sdq's arena) gives memory back; once the cgroup's anonymous
+/// memory fits under `limit` (within `wait`), the hard limit follows (v1 and
+/// v2 no swap: the kernel reclaims page cache, then refuses (v1) or kills
+/// (v2) rather than take anonymous memory). Raising: the hard limit first,
+/// then the soft one. Returns a report; errors name the cgroup and figures,
+/// and leave the old limits in place.
+pub fn change_limit(pid: u32, limit: u64, wait: std::time::Duration) -> Result<Value> {
+    let (dir, v) = memory_cgroup_of(&pid.to_string()).ok_or_else(|| Error::invalid(format!("process {pid}: no memory cgroup in /proc/{pid}/cgroup")))?;
+    let started = Instant::now();
+    let old_hard = hard_limit(&dir, v);
+    let old_soft = soft_limit(&dir, v);
+    let write = |file: &str, value: &str| -> Result<()> {
+        fs::write(dir.join(file), value).map_err(|e| Error::io(format!("cannot set {file} = {value} in"), &dir, e))
+    };
+    let (hard, soft): (&[&str], &str) = match v {
+        // memory+swap must stay at least memory: lowered after, raised before it.
+        Version::V1 => (&["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"], "memory.soft_limit_in_bytes"),
+        Version::V2 => (&["memory.max"], "memory.high"),
+    };
+    let hard: Vec<&str> = hard.iter().copied().filter(|f| dir.join(f).exists()).collect();
+    let value = limit.to_string();
+    let anon_before = anon_bytes(&dir, v);
+    let lowering = old_hard.map_or(true, |h| limit < h);
+    if lowering {
+        write(soft, &value)?;
+        let fits = || anon_bytes(&dir, v).is_some_and(|a| a + LOWER_MARGIN <= limit);
+        while !fits() && started.elapsed() < wait {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let mut set = Ok(());
+        for f in &hard {
+            set = write(f, &value);
+            if set.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = set {
+            let restore = old_soft.map_or_else(|| "-1".to_string(), |s| s.to_string());
+            let restore = if v == Version::V2 && old_soft.is_none() { "max".to_string() } else { restore };
+            let _ = write(soft, &restore);
+            return Err(Error::invalid(format!(
+                "{e}: process {pid} still holds {} of anonymous memory after {:.1} s (the limit asked for is {}); the old limits stay",
+                crate::engine::memory::budget::human(anon_bytes(&dir, v).unwrap_or(0)),
+                started.elapsed().as_secs_f64(),
+                crate::engine::memory::budget::human(limit)
+            )));
+        }
+    } else {
+        for f in hard.iter().rev() {
+            write(f, &value)?;
+        }
+        write(soft, &value)?;
+    }
+    Ok(json!({
+        "pid": pid,
+        "cgroup": dir.display().to_string(),
+        "old_limit_bytes": old_hard,
+        "limit_bytes": limit,
+        "anon_before_bytes": anon_before,
+        "anon_after_bytes": anon_bytes(&dir, v),
+        "seconds": started.elapsed().as_secs_f64(),
+    }))
+}
+
+/// A memory cgroup this runner created; removed when dropped.
+struct Cgroup {
+    dir: PathBuf,
+    version: Version,
+}
+
+impl Cgroup {
+    fn create(limit: u64) -> std::result::Result<Cgroup, String> {
+        let (parent, version) = own_memory_cgroup().ok_or("no memory cgroup in /proc/self/cgroup")?;
+        let dir = parent.join(format!("sdq-limit-{}", std::process::id()));
+        fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        let cg = Cgroup { dir, version };
+        let set = |file: &str, value: String| {
+            fs::write(cg.dir.join(file), &value).map_err(|e| format!("cannot set {file} = {value} in {}: {e}", cg.dir.display()))
+        };
+        match version {
+            Version::V1 => {
+                set("memory.limit_in_bytes", limit.to_string())?;
+                // memory+swap = memory: no swap at all (absent without swap accounting)
+                if cg.dir.join("memory.memsw.limit_in_bytes").exists() {
+                    set("memory.memsw.limit_in_bytes", limit.to_string())?;
+                }
+            }
+            Version::V2 => {
+                if !cg.dir.join("memory.max").exists() {
+                    // v2's no-internal-process rule: a cgroup that holds
+                    // processes (ours) cannot hand the memory controller down.
+                    return Err(format!(
+                        "the memory controller is not enabled below {} (its cgroup.subtree_control lacks \"memory\"); \
+                         run sdq limit inside a delegated cgroup, e.g. `systemd-run --user --scope -p Delegate=yes sdq limit ...`",
+                        parent.display()
+                    ));
+                }
+                set("memory.max", limit.to_string())?;
+                if cg.dir.join("memory.swap.max").exists() {
+                    set("memory.swap.max", "0".into())?;
+                }
+            }
+        }
+        Ok(cg)
+    }
+
+    fn measurements(&self) -> Value {
+        let d = &self.dir;
+        match self.version {
+            Version::V1 => json!({
+                "peak_bytes": read_u64(&d.join("memory.max_usage_in_bytes")),
+                "peak_memsw_bytes": read_u64(&d.join("memory.memsw.max_usage_in_bytes")),
+                "limit_hits": read_u64(&d.join("memory.failcnt")),
+                "oom_kills": keyed(&d.join("memory.oom_control"), "oom_kill").unwrap_or(0),
+                "major_faults": keyed(&d.join("memory.stat"), "pgmajfault"),
+                "swap_bytes": keyed(&d.join("memory.stat"), "swap").unwrap_or(0),
+            }),
+            Version::V2 => json!({
+                "peak_bytes": read_u64(&d.join("memory.peak")),
+                "oom_kills": keyed(&d.join("memory.events"), "oom_kill").unwrap_or(0),
+                "major_faults": keyed(&d.join("memory.stat"), "pgmajfault"),
+                "swap_bytes": read_u64(&d.join("memory.swap.peak")).or(read_u64(&d.join("memory.swap.current"))).unwrap_or(0),
+            }),
+        }
+    }
+}
+
+impl Drop for Cgroup {
+    fn drop(&mut self) {
+        // The command has exited; its cgroup empties as the kernel reaps it.
+        for _ in 0..50 {
+            if fs::remove_dir(&self.dir).is_ok() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        log::warn!("could not remove {}", self.dir.display());
+    }
+}
+
+/// Peak RSS of this process's waited-for children (KiB → bytes).
+fn children_max_rss() -> u64 {
+    // SAFETY: getrusage fills the struct we pass and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    unsafe { libc::getrusage(libc::RUSAGE_CHILDREN, &mut ru) };
+    ru.ru_maxrss.max(0) as u64 * 1024
+}
+
+/// Runs `argv` with at most `limit` bytes of memory (page cache included, no
+/// swap). Returns the report; the command's output passes through.
+pub fn run_limited(limit: u64, argv: &[String]) -> Result<Value> {
+    let (program, args) = argv.split_first().ok_or_else(|| Error::invalid("no command to run"))?;
+    let started = Instant::now();
+    let (cgroup, mode) = match Cgroup::create(limit) {
+        Ok(cg) => {
+            let mode = match cg.version {
+                Version::V1 => "cgroup v1 (memory.limit_in_bytes, memory.memsw.limit_in_bytes)",
+                Version::V2 => "cgroup v2 (memory.max, memory.swap.max = 0)",
+            };
+            (Some(cg), mode.to_string())
+        }
+        Err(why) => (None, format!("NOT ENFORCED, RSS only: {why}")),
+    };
+    let mut cmd = match &cgroup {
+        // The shell joins the cgroup, then becomes the command.
+        Some(cg) => {
+            let mut c = Command::new("/bin/sh");
+            c.arg("-c").arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#).arg(&cg.dir).arg(program).args(args);
+            c
+        }
+        None => {
+            let mut c = Command::new(program);
+            c.args(args);
+            c
+        }
+    };
+    let mut child = cmd.spawn().map_err(|e| Error::io("cannot run", Path::new(program), e))?;
+    CHILD.store(child.id() as i32, Ordering::SeqCst);
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: installs a handler that only calls kill (async-signal-safe).
+        unsafe { libc::signal(sig, forward_signal as *const () as libc::sighandler_t) };
+    }
+    let status = child.wait().map_err(|e| Error::io("waiting for", Path::new(program), e))?;
+    CHILD.store(0, Ordering::SeqCst);
+    let mut report = json!({
+        "command": argv,
+        "limit_bytes": limit,
+        "enforced": cgroup.is_some(),
+        "mode": mode,
+        "exit_code": status.code(),
+        "signal": std::os::unix::process::ExitStatusExt::signal(&status),
+        "seconds": started.elapsed().as_secs_f64(),
+        "child_peak_rss_bytes": children_max_rss(),
+    });
+    if let Some(cg) = &cgroup {
+        if let (Some(o), Value::Object(m)) = (report.as_object_mut(), cg.measurements()) {
+            o.extend(m);
+        }
+    }
+    drop(cgroup);
+    Ok(report)
+}

@@ -1,0 +1,545 @@
+//! Expert compute: the ggml custom ops that replace a paged layer's expert
+//! matmuls. `paged_moe_experts` takes a whole layer with SwiGLU (gate, up,
+//! SwiGLU and down per expert, so a batch pins and reads each expert once);
+//! `paged_mul_mat_id` replaces one `ggml_mul_mat_id` for any other layer.
+//! Both multiply exactly as ggml's CPU mul_mat_id does for the weight's
+//! layout in stock llama.cpp with the same flags: the batch's activations
+//! converted once to the weight's `vec_dot_type`, then per expert, for a
+//! weight stock repacks (the reader converted it into that layout), the
+//! repacked GEMV over the weight-row ranges of stock's threads; for a plain
+//! one, ggml's tiled kernel where stock takes it (8 or more rows of a tiled
+//! type) and one `vec_dot` per value elsewhere. So results match stock's bit
+//! for bit, with the weights from pinned arena slots.
+//!
+//! Work is split by expert, claimed dynamically: each of ggml's threads takes
+//! the next expert nobody has taken, preferring one already in the arena,
+//! pins it, computes all of its tokens and releases it at once. In a layer's
+//! first op the first thread to arrive hands all of the batch's misses to
+//! the pager's readers at once (`Pager::prepare`), so they are read in
+//! parallel while resident experts are computed, and each missing expert is
+//! computed as soon as it is read. Each output value belongs to one (token,
+//! slot) pair, so threads never write the same memory and no reduction is
+//! needed: which thread computes an expert, and when, does not change a bit
+//! of the result. The router-weighted sum is llama.cpp's own ops, in its own
+//! order.
+//!
+//! While decoding, the next layer's experts are predicted from this layer's
+//! expert input (`predict_next`: the next layer's router applied to it) and
+//! read ahead at low priority once this layer's own misses are submitted.
+//!
+//! These are FFI entry points (ggml calls them on its worker threads): tensor
+//! access here is raw, with each block's invariant stated.
+
+use crate::engine::ffi::ggml::{DotKernels, WeightLayout};
+use crate::engine::pager::layout::Part;
+use crate::engine::pager::{Count, Pager};
+use crate::engine::runtime::{self, fatal, guard};
+use crate::engine::ffi::sys;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::ffi::{c_int, c_void};
+
+use std::sync::{Arc, Mutex, OnceLock};
+
+mod activations;
+mod routing;
+
+use activations::Activations;
+pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
+use routing::predictions;
+
+/// What one paged matmul needs, fixed when the graph is built (graphs are
+/// reused, so this lives as long as the process).
+#[derive(Debug)]
+pub struct PagedMatmul {
+    pub name: String,
+    pub layer: u32,
+    pub part: Part,
+    pub kernels: DotKernels,
+    /// The weight's layout in the arena (stock's: plain or repacked).
+    pub layout: WeightLayout,
+    /// True for the first paged layer's first matmul (gate or gate_up): it
+    /// counts the step's tokens and starts its paged work.
+    pub starts_step: bool,
+    /// True for the last paged layer's down: the step's paged work ends.
+    pub ends_step: bool,
+}
+
+/// What one layer's fused expert op (gate, up, SwiGLU and down per expert)
+/// needs, fixed when the graph is built.
+#[derive(Debug)]
+pub struct PagedExperts {
+    /// The layer's down tensor, for messages.
+    pub name: String,
+    pub layer: u32,
+    pub gate: DotKernels,
+    pub up: DotKernels,
+    pub down: DotKernels,
+    /// The layouts of gate, up and down in the arena (stock's).
+    pub layouts: [WeightLayout; 3],
+    /// True for the first paged layer: it counts tokens, and a step's paged
+    /// work starts.
+    pub counts_tokens: bool,
+    /// True for the last paged layer: a step's paged work ends.
+    pub ends_step: bool,
+}
+
+/// The (slot k, token t) pairs one expert serves, flattened as ggml's
+/// mul_mat_id row table (`[k0, t0, k1, t1, …]`), which the tiled kernel reads.
+type Uses = Vec<i32>;
+
+/// What every thread of one call shares, fixed when the call starts.
+struct Batch {
+    /// The batch's experts in ascending order, with their uses.
+    experts: Vec<(u32, Uses)>,
+    acts: Activations,
+}
+
+/// One call of a paged matmul (one graph node, all of ggml's threads): the
+/// batch and which of its experts are taken. The first thread to arrive
+/// creates it, the last to leave removes it; ggml does not start the node
+/// again before every thread has left it.
+struct Call {
+    batch: Arc<Batch>,
+    taken: Vec<bool>,
+    /// Every expert before this index is taken.
+    first_open: usize,
+    /// Misses `prepare` found no slot for: their acquire reads them.
+    deferred: HashSet<u32>,
+    left: usize,
+}
+
+fn calls() -> &'static Mutex<HashMap<usize, Call>> {
+    static CALLS: OnceLock<Mutex<HashMap<usize, Call>>> = OnceLock::new();
+    CALLS.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// Weight rows multiplied with every use before the next rows: 16 rows of a
+/// 2048-wide Q4_K expert are 18 KiB, which stays in L1.
+const ROW_BLOCK: usize = 16;
+
+/// Uses of one expert the fused op multiplies at a time. ggml's tiled
+/// kernel takes an expert's routed rows in windows of 256 (TILED_TILE_K),
+/// so cutting the rows at multiples of 256 gives every value the window
+/// stock gives it; the other kernels compute each row alone.
+const FUSED_ROWS: usize = 256;
+
+/// The tiled kernel's per-thread workspace, 64-byte aligned.
+struct Scratch {
+    buf: Vec<u8>,
+}
+
+impl Scratch {
+    fn get(&mut self, bytes: usize) -> *mut u8 {
+        if self.buf.len() < bytes + 64 {
+            self.buf = vec![0; bytes + 64];
+        }
+        let p = self.buf.as_mut_ptr();
+        // SAFETY: the offset is under 64 and the buffer has 64 bytes of slack.
+        unsafe { p.add(p.align_offset(64)) }
+    }
+}
+
+/// One thread's buffers for the fused op: one expert's routed rows and its
+/// intermediate products, reused from expert to expert.
+#[derive(Default)]
+struct Fused {
+    /// (use j, token t) pairs for gate and up, then (j, j) for down.
+    rows: Vec<i32>,
+    gate: Vec<f32>,
+    up: Vec<f32>,
+    /// SwiGLU of gate and up, then converted to down's activation type.
+    act: Vec<f32>,
+    act_q: Vec<u8>,
+    out: Vec<f32>,
+}
+
+struct Workspace {
+    tiled: Scratch,
+    fused: Fused,
+}
+
+thread_local! {
+    static WORKSPACE: RefCell<Workspace> = RefCell::new(Workspace { tiled: Scratch { buf: Vec::new() }, fused: Fused::default() });
+}
+
+/// One expert's product with its routed rows: for each pair (k, t) of
+/// `rows`, weight · activation row t·b_ne1 + k mod b_ne1 of `acts` is
+/// written at `out` + k·nb1 + t·nb2 (bytes), with the kernel stock uses for
+/// the weight: for a repacked one, the repacked GEMV over the column ranges
+/// of stock's `nth` threads; else ggml's tiled kernel where stock would take
+/// it, else one vec_dot per value.
+struct ExpertMatmul<'a> {
+    kernels: &'a DotKernels,
+    /// The paged weight tensor (type, rows, columns).
+    weight: &'a sys::ggml_tensor,
+    layout: WeightLayout,
+    /// sdq_expert_tiled_scratch for it: 0 when the tiled kernel cannot take it.
+    tiled_bytes: usize,
+    /// ggml's threads for this op: stock's repacked kernel splits an
+    /// expert's rows by them.
+    nth: usize,
+}
+
+impl<'a> ExpertMatmul<'a> {
+    fn new(kernels: &'a DotKernels, weight: &'a sys::ggml_tensor, layout: WeightLayout, nth: usize) -> ExpertMatmul<'a> {
+        // Stock never gives a repacked weight to the tiled kernel.
+        let tiled_bytes = match layout {
+            // SAFETY: weight is a valid tensor; the call only reads its type and shape.
+            WeightLayout::Plain => unsafe { sys::sdq_expert_tiled_scratch(weight) },
+            WeightLayout::Repacked(_) => 0,
+        };
+        ExpertMatmul { kernels, weight, layout, tiled_bytes, nth }
+    }
+
+    /// # Safety
+    /// `data` must be one expert of the weight (rows × row bytes); `acts`
+    /// whole rows of the activation type for the weight's columns, holding
+    /// every row a pair names; for every pair, the weight's row count of
+    /// floats at out + k·nb1 + t·nb2 must be writable and written by no one
+    /// else meanwhile.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run(&self, data: &[u8], acts: &[u8], b_ne1: usize, rows: &[i32], out: *mut u8, nb1: usize, nb2: usize, scratch: &mut Scratch) {
+        if let WeightLayout::Repacked(r) = self.layout {
+            let act_bytes = self.kernels.activation_row_bytes(self.weight.ne[0] as usize);
+            // SAFETY: per this function's contract; the reader converted the
+            // expert into this layout before publishing it.
+            unsafe { r.mul(data, b_ne1, acts, act_bytes, rows, out, nb1, nb2, self.nth) };
+            return;
+        }
+        let tiled = self.tiled_bytes > 0
+            // SAFETY: per this function's contract; the scratch holds
+            // tiled_bytes, 64-byte aligned.
+            && unsafe {
+                sys::sdq_expert_tiled(
+                    self.weight,
+                    data.as_ptr().cast(),
+                    b_ne1 as i64,
+                    acts.as_ptr().cast(),
+                    acts.len(),
+                    (rows.len() / 2) as i64,
+                    rows.as_ptr(),
+                    out.cast(),
+                    nb1,
+                    nb2,
+                    scratch.get(self.tiled_bytes).cast(),
+                )
+            };
+        if tiled {
+            return;
+        }
+        let (cols, n_rows) = (self.weight.ne[0] as usize, self.weight.ne[1] as usize);
+        let row_bytes = data.len() / n_rows;
+        let act_bytes = self.kernels.activation_row_bytes(cols);
+        // A block of weight rows stays in cache while every use of the
+        // expert is multiplied with it: the weights are streamed from memory
+        // once per batch, not once per token. Each value is still one
+        // vec_dot of one row and one activation, as stock computes it.
+        for first in (0..n_rows).step_by(ROW_BLOCK) {
+            let block = first..(first + ROW_BLOCK).min(n_rows);
+            for kt in rows.chunks_exact(2) {
+                let (k, t) = (kt[0] as usize, kt[1] as usize);
+                let a = t * b_ne1 + k % b_ne1;
+                let act = &acts[a * act_bytes..(a + 1) * act_bytes];
+                // SAFETY: per this function's contract.
+                let out = unsafe { std::slice::from_raw_parts_mut(out.add(k * nb1 + t * nb2) as *mut f32, n_rows) };
+                for r in block.clone() {
+                    out[r] = self.kernels.dot(cols, &data[r * row_bytes..(r + 1) * row_bytes], act);
+                }
+            }
+        }
+    }
+}
+
+/// Reads `ids[k, t]` (an I32 view that may be non-contiguous).
+///
+/// # Safety
+/// `ids` must be a valid I32 tensor with k < ne0 and t < ne1.
+unsafe fn expert_id(ids: &sys::ggml_tensor, k: i64, t: i64) -> i32 {
+    // SAFETY: in bounds per the contract; nb gives the byte strides.
+    unsafe { *((ids.data as *const u8).add(t as usize * ids.nb[1] + k as usize * ids.nb[0]) as *const i32) }
+}
+
+/// The op: dst[:, k, t] = as[:, :, ids[k, t]] · b[:, k % b.ne1, t].
+///
+/// # Safety
+/// Called by ggml with `dst` built by `hooks::mul_mat_id` (src = as, b, ids)
+/// and `userdata` pointing at a leaked `PagedMatmul`.
+pub unsafe extern "C" fn paged_mul_mat_id(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
+    guard("the paged expert matmul", || {
+        // SAFETY: per this function's contract, dst and its sources are valid
+        // tensors whose data ggml allocated for this graph, and userdata is a
+        // PagedMatmul that is never freed.
+        unsafe { compute(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedMatmul)) }
+    })
+}
+
+/// # Safety
+/// As for `paged_mul_mat_id`.
+unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &PagedMatmul) {
+    // SAFETY: src[0..3] were set by ggml_custom_4d from the hook's arguments.
+    let (w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2]) };
+    let rt = runtime::get().unwrap_or_else(|| fatal("paged expert matmul without an sdq runtime"));
+    let Some(pager) = rt.pager_if_ready(ids.ne[0] as usize, (op.starts_step && ith == 0).then_some(ids.ne[1] as u64)) else {
+        // SAFETY: dst is this op's output.
+        return unsafe { leave_out(dst, ith, nth, op.layer) };
+    };
+    let key = dst as *const sys::ggml_tensor as usize;
+    // ggml runs a layer's gate (or fused gate_up) matmul first: it is
+    // SwiGLU's first source, and it starts the batch's reads.
+    let starts_layer = matches!(op.part, Part::Gate | Part::GateUp);
+    let starts = || {
+        if op.starts_step {
+            rt.count_tokens(ids.ne[1] as u64);
+            pager.step_started();
+        }
+    };
+    // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
+    // its F32 input with contiguous rows (checked when the op was built).
+    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, starts, &op.kernels, ids, b, pager) };
+    let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
+    WORKSPACE.with_borrow_mut(|ws| {
+        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
+            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
+            let expert = match pager.acquire(op.layer, e, count) {
+                Ok(expert) => expert,
+                // The batch is abandoned (or the process ends): this
+                // expert's rows of dst are never read.
+                Err(err) => {
+                    runtime::fail_batch(&err.to_string());
+                    continue;
+                }
+            };
+            // SAFETY: the part is this expert's rows; the activations are b
+            // converted (by join's caller) in stock's layout; dst is F32
+            // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
+            // to e alone, and e to this thread alone.
+            unsafe { matmul.run(expert.part(op.part), &batch.acts.buf, b.ne[1] as usize, uses, dst.data.cast(), dst.nb[1], dst.nb[2], &mut ws.tiled) };
+            drop(expert); // release the slot as soon as this expert is done
+        }
+    });
+    if op.ends_step && ith == 0 {
+        pager.step_ended();
+        rt.step_ended();
+    }
+}
+
+/// The fused op: dst[:, k, t] = down_e · swiglu(gate_e · b_t, up_e · b_t)
+/// with e = ids[k, t], computed expert by expert, so that each selected
+/// expert is pinned (and, on a miss, read) once per batch for all three of
+/// its matrices. Each product and the SwiGLU are ggml's own kernels on the
+/// same rows stock multiplies, so every value is stock's to the bit.
+///
+/// # Safety
+/// Called by ggml with `dst` built by `hooks::moe_experts` (src = gate, up,
+/// down, b, ids) and `userdata` pointing at a leaked `PagedExperts`.
+pub unsafe extern "C" fn paged_moe_experts(dst: *mut sys::ggml_tensor, ith: c_int, nth: c_int, userdata: *mut c_void) {
+    guard("the paged expert layer", || {
+        // SAFETY: per this function's contract.
+        unsafe { compute_fused(&mut *dst, ith as usize, nth as usize, &*(userdata as *const PagedExperts)) }
+    })
+}
+
+/// # Safety
+/// As for `paged_moe_experts`.
+unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &PagedExperts) {
+    // SAFETY: src[0..5] were set by ggml_custom_4d from the hook's arguments.
+    let (gate_w, up_w, down_w, b, ids) = unsafe { (&*dst.src[0], &*dst.src[1], &*dst.src[2], &*dst.src[3], &*dst.src[4]) };
+    let (n_ff, n_embd) = (gate_w.ne[1] as usize, down_w.ne[1] as usize);
+    let rt = runtime::get().unwrap_or_else(|| fatal("paged expert layer without an sdq runtime"));
+    let Some(pager) = rt.pager_if_ready(ids.ne[0] as usize, (op.counts_tokens && ith == 0).then_some(ids.ne[1] as u64)) else {
+        // SAFETY: dst is this op's output.
+        return unsafe { leave_out(dst, ith, nth, op.layer) };
+    };
+    let key = dst as *const sys::ggml_tensor as usize;
+    let starts = || {
+        if op.counts_tokens {
+            rt.count_tokens(ids.ne[1] as u64);
+            pager.step_started();
+        }
+    };
+    // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
+    // [n_embd, 1, n_tokens] input, contiguous (checked when the op was built).
+    let batch = unsafe { join(key, op.layer, &op.name, true, starts, &op.gate, ids, b, pager) };
+    let [gate_l, up_l, down_l] = op.layouts;
+    let (gate, up, down) =
+        (ExpertMatmul::new(&op.gate, gate_w, gate_l, nth), ExpertMatmul::new(&op.up, up_w, up_l, nth), ExpertMatmul::new(&op.down, down_w, down_l, nth));
+    let down_act_bytes = op.down.activation_row_bytes(n_ff);
+    WORKSPACE.with_borrow_mut(|ws| {
+        let Workspace { tiled, fused: f } = ws;
+        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
+            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
+            let expert = match pager.acquire(op.layer, e, count) {
+                Ok(expert) => expert,
+                // As in the matmul: the batch is abandoned, its output unused.
+                Err(err) => {
+                    runtime::fail_batch(&err.to_string());
+                    continue;
+                }
+            };
+            // At most FUSED_ROWS uses at a time: this thread's buffers stay
+            // the same size whatever the ubatch (an expert a whole ubatch
+            // routes to would otherwise take ubatch × n_ff floats thrice).
+            for uses in uses.chunks(2 * FUSED_ROWS) {
+                let n = uses.len() / 2;
+                f.gate.resize(n * n_ff, 0.0);
+                f.up.resize(n * n_ff, 0.0);
+                f.act.resize(n * n_ff, 0.0);
+                f.act_q.resize(n * down_act_bytes, 0);
+                f.out.resize(n * n_embd, 0.0);
+                // Use j of token t: gate and up read b's row t and write row j.
+                f.rows.clear();
+                f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
+                // SAFETY: the parts are this expert's rows; b's rows are converted
+                // for gate and up (which share an activation type, checked when
+                // the op was built); row j of gate and up (n_ff floats at j ·
+                // n_ff · 4) is this thread's buffer.
+                unsafe {
+                    gate.run(expert.part(Part::Gate), &batch.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                    up.run(expert.part(Part::Up), &batch.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                }
+                for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
+                    // SAFETY: three distinct buffers of n_ff floats.
+                    unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
+                }
+                for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
+                    op.down.convert_activation(act, q);
+                }
+                // Down reads activation row j and writes row j.
+                f.rows.clear();
+                f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
+                // SAFETY: as above, with down's rows and activations.
+                unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
+                for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
+                    // SAFETY: dst is F32 [n_embd, n_used, n_tokens], contiguous;
+                    // its row (k, t) belongs to expert e alone, and e to this
+                    // thread alone.
+                    let row = unsafe {
+                        let p = (dst.data as *mut u8).add(kt[1] as usize * dst.nb[2] + kt[0] as usize * dst.nb[1]);
+                        std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
+                    };
+                    row.copy_from_slice(out);
+                }
+            }
+            drop(expert); // release the slot as soon as this expert is done
+        }
+    });
+    if op.ends_step && ith == 0 {
+        pager.step_ended();
+        rt.step_ended();
+    }
+}
+
+/// Writes this thread's share of `dst` as zeros: the experts' output of a
+/// batch computed without the pager (`Runtime::pager_if_ready`: the target's
+/// warm-up before its draft model loads, whose result the tool drops, or a
+/// host program's batch that fails because the arena cannot be planned,
+/// whose output is never used), with the layer's prediction dropped too.
+///
+/// # Safety
+/// `dst` must be this op's output: a contiguous tensor ggml allocated.
+unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u32) {
+    if ith == 0 {
+        predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
+    }
+    // SAFETY: dst is contiguous (a custom op's output), so its bytes are
+    // ggml_nbytes from data; each thread writes its own chunk.
+    unsafe {
+        let bytes = sys::ggml_nbytes(dst);
+        let chunk = bytes.div_ceil(nth);
+        let start = (ith * chunk).min(bytes);
+        let end = (start + chunk).min(bytes);
+        std::ptr::write_bytes((dst.data as *mut u8).add(start), 0, end - start);
+    }
+}
+
+/// This thread's view of call `key`, which the first thread to arrive
+/// creates: it starts the step where the call does (`starts`), groups the
+/// routing by expert and, for the layer's first op
+/// (`starts_layer`), hands the batch's misses to the readers and starts the
+/// prefetch. Returns once `b` is converted to `kernels`' activation type,
+/// which every thread of the call helps with.
+///
+/// # Safety
+/// `ids` must be this call's valid I32 routing tensor and `b` its F32 input
+/// [cols, ne11, n_tokens] with contiguous rows.
+#[allow(clippy::too_many_arguments)]
+unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, starts: impl FnOnce(), kernels: &DotKernels, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
+    let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+    let call = calls.entry(key).or_insert_with(|| {
+        // The step's clock starts before its first lookups are counted,
+        // whichever thread arrives first.
+        starts();
+        let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
+        for t in 0..ids.ne[1] {
+            for k in 0..ids.ne[0] {
+                // SAFETY: k < ne0 and t < ne1 of ids (this function's contract).
+                let e = unsafe { expert_id(ids, k, t) };
+                by_expert.entry(e).or_default().extend([k as i32, t as i32]);
+            }
+        }
+        if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0) {
+            fatal(&format!("{name}: router selected expert {e}"));
+        }
+        let deferred = if starts_layer {
+            let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
+            if ids.ne[1] > 1 {
+                runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
+            }
+            let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            // This layer's misses are queued: now what the next layer will likely need.
+            let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
+            if let Some((next, predicted)) = predicted {
+                if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
+                    pager.prefetch(next, &predicted, layer);
+                }
+            }
+            deferred
+        } else {
+            HashSet::new()
+        };
+        let experts: Vec<(u32, Uses)> = by_expert.into_iter().map(|(e, u)| (e as u32, u)).collect();
+        let acts = Activations::new(kernels.activation_row_bytes(b.ne[0] as usize), (b.ne[1] * b.ne[2]) as usize);
+        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, acts }), first_open: 0, deferred, left: 0 }
+    });
+    let batch = Arc::clone(&call.batch);
+    drop(calls);
+    // SAFETY: b is the input the buffer was sized from (this function's contract).
+    unsafe { batch.acts.convert(b, kernels) };
+    batch
+}
+
+/// The index of the next expert of call `key` for this thread to compute
+/// (preferring one already in the arena), and how its acquire counts; None
+/// when every expert is taken (and this thread leaves the call).
+fn next_expert(key: usize, nth: usize, layer: u32, pager: &Pager) -> Option<(usize, Count)> {
+    let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+    let call = calls.get_mut(&key).unwrap_or_else(|| fatal("paged matmul call left before its threads"));
+    while call.first_open < call.taken.len() && call.taken[call.first_open] {
+        call.first_open += 1;
+    }
+    let experts = &call.batch.experts;
+    let open = || (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
+    // Resident experts first, then those being read (waiting for a read in
+    // flight), and only then the misses prepare found no slot for: reading
+    // one of those needs a victim, which should be an expert this batch has
+    // finished with, not one it has yet to use.
+    let pick = pager
+        .first_ready(layer, open().map(|i| (i, experts[i].0)))
+        .or_else(|| open().find(|&i| !call.deferred.contains(&experts[i].0)))
+        .or_else(|| open().next());
+    match pick {
+        Some(i) => {
+            call.taken[i] = true;
+            let count = if call.deferred.contains(&experts[i].0) { Count::Nothing } else { Count::Later };
+            Some((i, count))
+        }
+        None => {
+            call.left += 1;
+            if call.left == nth {
+                calls.remove(&key);
+            }
+            None
+        }
+    }
+}

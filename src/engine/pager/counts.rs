@@ -1,0 +1,61 @@
+//! What the pager counts: each layer's hits, misses and reads, the whole
+//! pager's figures, and the running totals a step is measured between.
+
+/// Counts of one layer. A *use* is one expert needed by one batch: `prepare`
+/// counts it as a hit or a miss when the router has chosen. The matmuls of
+/// the use then normally find it; if the expert was evicted in
+/// between (a batch touching more experts than the arena holds), the read
+/// again is a *reread*.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LayerCounts {
+    pub hits: u64,
+    pub misses: u64,
+    pub rereads: u64,
+    /// Experts `prefetch` started reading for this layer.
+    pub prefetched: u64,
+    /// Uses (counted as hits) that found a prefetched expert; `prefetch_late`
+    /// of them found it still being read.
+    pub prefetch_used: u64,
+    pub prefetch_late: u64,
+    /// Prefetched experts evicted before any batch used them.
+    pub prefetch_wasted: u64,
+    /// Experts `preload` started reading (not counted in `prefetched`; a
+    /// use that finds one counts in `prefetch_used`).
+    pub preloaded: u64,
+}
+
+/// Figures the pager has gathered so far.
+#[derive(Clone, Debug, Default)]
+pub struct PagerCounts {
+    pub per_layer: Vec<(u32, LayerCounts)>,
+    pub bytes_read: u64,
+    pub device_bytes: u64,
+    pub read_seconds: f64,
+    pub reads: u64,
+    /// Expert parts converted into a repacked layout after their read, and
+    /// the CPU time (not wall time) the readers spent on it.
+    pub converted: u64,
+    pub convert_seconds: f64,
+    /// Batches of misses read in parallel (`prepare`), their bytes, and their
+    /// wall time from submission to the last byte.
+    pub miss_batches: u64,
+    pub miss_batch_bytes: u64,
+    pub miss_batch_seconds: f64,
+    /// Experts a warm start has read (also counted as preloaded), and those
+    /// it has yet to consider (an expert already held is not read again).
+    pub warm_read: u64,
+    pub warm_pending: u64,
+    /// Tries repeated after a transient read error, and expert reads that
+    /// failed even so.
+    pub read_retries: u64,
+    pub read_failures: u64,
+}
+
+/// The pager's running totals, read at a step's start and end.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PagerTotals {
+    pub bytes_read: u64,
+    pub hits: u64,
+    pub misses: u64,
+    pub prefetch_used: u64,
+}

@@ -1,0 +1,143 @@
+//! The default policy: freq with shares, freq without, or LRU, each
+//! replayed in a shadow slot table, the arena following whichever has
+//! been hitting more.
+
+use super::arena::SlotId;
+use super::policy::{Freq, Lru, Plan, Policy};
+use super::residency::Residency;
+use super::ExpertKey;
+use std::ops::Range;
+
+/// How many tokens it takes a shadow's hit count to halve in `FreqAuto`.
+/// Chosen on the first half of the trained trace (steps 0-64), where 16
+/// fell 0.6 points below freq at 1 token cycle and 32 to 1000 did not; 64
+/// then held on the second half and on generated traces
+/// (docs/BENCHMARKS.md, "The policy").
+const AUTO_HALF_LIFE_TOKENS: f64 = 64.0;
+
+/// Freq with shares, freq without, or LRU: whichever has been hitting
+/// more. None wins everywhere: on a trained model's routing, shares keep
+/// more from 1.5 token cycles on; where the router's favourites are
+/// stable, as in generated models, freq over the whole class does
+/// (docs/BENCHMARKS.md, "Each layer its share"); and where the experts in
+/// use change faster than the counts age, LRU leads. So three shadow slot
+/// tables, one per way, replay every batch's lookups (demand only, over
+/// the plan's full classes), each with its hits aged by
+/// `AUTO_HALF_LIFE_TOKENS`; the arena's own victims follow the one ahead,
+/// freq without shares until another is.
+pub struct FreqAuto {
+    live: Freq,
+    /// LRU's order over the arena's own slots, for when it leads.
+    live_lru: Lru,
+    /// Shadows, in `Way` order.
+    shadows: [Shadow; 3],
+    /// The way the arena follows now.
+    way: Way,
+    plan: Plan,
+    /// The batch under way: its layer and the experts used so far.
+    batch: Option<(u32, Vec<u32>)>,
+    /// The factor a shadow's hits keep per batch.
+    aging: f64,
+}
+
+/// The ways `FreqAuto` follows, as indices of its shadows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Way {
+    Shares = 0,
+    Whole = 1,
+    Lru = 2,
+}
+
+struct Shadow {
+    res: Residency,
+    hits: f64,
+}
+
+impl FreqAuto {
+    pub fn new(plan: &Plan) -> FreqAuto {
+        let n_slots = plan.classes.iter().map(|c| c.end).max().unwrap_or(0);
+        let mut live = Freq::with_shares(n_slots, plan);
+        live.shares_on = false;
+        let shadow = |p: Box<dyn Policy>| Shadow { res: Residency::new(n_slots, p), hits: 0.0 };
+        let n_layers = plan.layer_class.len().max(1) as f64;
+        FreqAuto {
+            live,
+            live_lru: Lru::new(n_slots),
+            shadows: [shadow(Box::new(Freq::with_shares(n_slots, plan))), shadow(Box::new(Freq::new(n_slots))), shadow(Box::new(Lru::new(n_slots)))],
+            way: Way::Whole,
+            plan: plan.clone(),
+            batch: None,
+            aging: (-1.0 / (AUTO_HALF_LIFE_TOKENS * n_layers)).exp2(),
+        }
+    }
+
+    /// The shadows replay the batch just done, and the one ahead leads
+    /// (on a tie, the way followed now).
+    fn close_batch(&mut self) {
+        let Some((layer, experts)) = self.batch.take() else { return };
+        let Some(class) = self.plan.layer_class.iter().find(|&&(l, _)| l == layer).and_then(|&(_, c)| self.plan.classes.get(c)).cloned() else {
+            return;
+        };
+        for sh in &mut self.shadows {
+            let adm = sh.res.admit_unpinned(layer, class.clone(), &experts);
+            sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
+        }
+        for way in [Way::Shares, Way::Whole, Way::Lru] {
+            if self.shadows[way as usize].hits > self.shadows[self.way as usize].hits {
+                self.way = way;
+            }
+        }
+        self.live.shares_on = self.way == Way::Shares;
+    }
+}
+
+impl Policy for FreqAuto {
+    fn name(&self) -> &'static str {
+        "freq-auto"
+    }
+
+    fn begin_batch(&mut self, layer: u32) {
+        self.close_batch();
+        self.batch = Some((layer, Vec::new()));
+        self.live.begin_batch(layer);
+        self.live_lru.begin_batch(layer);
+    }
+
+    fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.live.filled(slot, key);
+        self.live_lru.filled(slot, key);
+    }
+
+    fn used(&mut self, slot: SlotId, key: ExpertKey) {
+        if let Some((layer, experts)) = &mut self.batch {
+            if *layer == key.0 && !experts.contains(&key.1) {
+                experts.push(key.1);
+            }
+        }
+        self.live.used(slot, key);
+        self.live_lru.used(slot, key);
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.live.forget(slot);
+        self.live_lru.forget(slot);
+    }
+
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        match self.way {
+            Way::Lru => self.live_lru.victim(layer, slots, evictable),
+            Way::Shares | Way::Whole => self.live.victim(layer, slots, evictable),
+        }
+    }
+
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        self.live.counts()
+    }
+
+    fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        self.live.learn(counts);
+        for sh in &mut self.shadows {
+            sh.res.learn(counts);
+        }
+    }
+}

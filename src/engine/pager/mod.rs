@@ -1,0 +1,599 @@
+//! The pager: `acquire(layer, expert)` returns the expert's bytes pinned in an
+//! arena slot, reading them from the model file on a miss; dropping the pin
+//! releases it. `prepare(layer, experts)` starts a batch's misses all at once,
+//! as soon as the router has chosen, so they are read in parallel (a pool of
+//! reader threads, one read per part) while resident experts are computed.
+//! `prefetch(layer, experts)` reads experts a later layer is predicted to
+//! need, at low priority: readers take those jobs only when no demand read
+//! is waiting, and a batch that needs a queued prefetch promotes it.
+//!
+//! Invariants (checked by the tests and asserted where cheap):
+//! - a key is in the residency only while its slot holds exactly that expert's bytes
+//!   or is being filled with them (`ready == false`); readers wait for `ready`;
+//! - a slot being filled is pinned by its loader, so it is never chosen as a
+//!   victim, and nobody else reads or writes it;
+//! - a failed read removes the key and frees the slot: stale bytes are never
+//!   published; the acquire that started the read gets the error, and any
+//!   other use of that expert reads it again;
+//! - a retired slot (`set_slots`, memory pressure) is never given to an
+//!   expert; once unpinned it holds none and its pages are the kernel's.
+
+pub mod arena;
+mod counts;
+pub mod freq_auto;
+pub mod gate;
+pub mod io;
+pub mod layout;
+pub mod policy;
+mod policy_kind;
+mod readers;
+pub mod residency;
+mod warm;
+
+pub use counts::{LayerCounts, PagerCounts, PagerTotals};
+pub use policy_kind::PolicyKind;
+use readers::{Lane, Queue, WARM_READERS};
+
+use crate::error::{Error, Result};
+use crate::engine::ffi::ggml::WeightLayout;
+pub use arena::PageChoice;
+use arena::{Arena, SlotId};
+use layout::{LayerLayout, Layout, Part};
+use residency::Residency;
+use std::collections::HashMap;
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+/// (layer, expert)
+pub type ExpertKey = (u32, u32);
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Slot {
+    pins: u32,
+    ready: bool,
+    /// Parts still being read (while loading).
+    parts_left: u32,
+    /// A part failed to read (while loading).
+    failed: bool,
+    /// When the load was submitted.
+    started: Option<Instant>,
+    /// The `prepare` batch this load belongs to.
+    batch: Option<u64>,
+    /// The acquire that started the load takes over its pin when it is read.
+    keep_pin: bool,
+    /// Read by `prefetch` and not used by a batch since.
+    prefetched: bool,
+    /// Read by `prepare` for a batch that has not pinned it yet: another
+    /// acquire evicts it only when nothing else is free, since the batch
+    /// would then read it again.
+    awaiting: bool,
+    /// Beyond its class's slots in use (`Pager::set_slots`): never given to
+    /// an expert; its pages go back to the kernel once it is unpinned.
+    retired: bool,
+}
+
+struct State {
+    slots: Vec<Slot>,
+    /// Which expert each slot holds, and the eviction policy.
+    res: Residency,
+    counts: HashMap<u32, LayerCounts>,
+    bytes_read: u64,
+    /// Bytes asked of the disk: bytes_read plus direct I/O's alignment padding.
+    device_bytes: u64,
+    read_ns: u64,
+    /// The error of each expert whose last read failed, numbered from
+    /// `failures`: the acquire that started the read gets it (its batch
+    /// stops); any other use of the expert reads it again.
+    errors: HashMap<ExpertKey, (String, u64)>,
+    /// Expert reads that failed so far.
+    failures: u64,
+    /// Batches of misses `prepare` submitted: (bytes, parts left, started), by id.
+    batches: HashMap<u64, (u64, u32, Instant)>,
+    next_batch: u64,
+    /// Completed batches: count, bytes, and wall time from submission to the last byte.
+    batch_totals: (u64, u64, u64),
+    /// Experts a warm start has read (or is reading).
+    warm_read: u64,
+    /// Slots of each class in use: the first `in_use[c]` of class c; the
+    /// rest are retired (memory given back under pressure).
+    in_use: Vec<usize>,
+    /// The fill frontier of each class: slots `first..first + filled[c]`
+    /// have held an expert (free slots are taken lowest first, so the arena
+    /// fills from the bottom of each class up). `Populate::Ahead` faults in
+    /// a window beyond it.
+    filled: Vec<usize>,
+    /// Whether reading ahead pays, from the share of prefetches used.
+    gate: gate::PrefetchGate,
+}
+
+impl State {
+    /// The slots of `class` that experts may take.
+    fn usable(&self, arena: &Arena, class: usize) -> std::ops::Range<SlotId> {
+        let first = arena.classes()[class].first;
+        first..first + self.in_use[class]
+    }
+}
+
+/// When the arena's memory is faulted in (`SDQ_POPULATE`). A fresh slot's
+/// page faults otherwise happen inside the read that first fills it, on
+/// the miss path; on a VM that backs guest memory lazily, they cost about as
+/// much as the read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Populate {
+    /// On first use, inside the read (`0`).
+    Off,
+    /// By a background thread at idle priority, slot by slot in the order
+    /// free slots are filled, on cores compute leaves idle (`idle`).
+    Idle,
+    /// All of it before the first token (`1`).
+    Now,
+    /// By a background thread at idle priority, no further than a window
+    /// ahead of the slots filled so far (`ahead`): a fresh slot is faulted
+    /// in before its first read, and memory the run never fills is not
+    /// (the default: populating all of an 8 GiB budget's arena competed
+    /// with the prefill for the cores and made the first token later).
+    #[default]
+    Ahead,
+}
+
+impl Populate {
+    pub fn parse(v: &str) -> Option<Populate> {
+        match v.trim() {
+            "0" | "off" | "false" => Some(Populate::Off),
+            "1" | "on" | "true" | "now" => Some(Populate::Now),
+            "idle" => Some(Populate::Idle),
+            "ahead" => Some(Populate::Ahead),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Populate::Off => "0",
+            Populate::Now => "1",
+            Populate::Idle => "idle",
+            Populate::Ahead => "ahead",
+        }
+    }
+}
+
+/// How far `Populate::Ahead` faults in beyond each class's filled slots.
+/// Decode fills about 40-60 MiB a token on the 35B-A3B, so this is several
+/// tokens' fills; a prefill fills faster than any populater keeps up with.
+pub const POPULATE_AHEAD_BYTES: usize = 256 << 20;
+
+/// Readers in the pool when `SDQ_READERS` does not say.
+pub const DEFAULT_READERS: usize = 8;
+
+/// What an acquire counts for the layer's figures (`prepare` has counted
+/// the use itself as a hit or a miss).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Count {
+    /// A read is a reread: the expert was there at `prepare`, or was read by
+    /// it, and has been evicted since.
+    Later,
+    /// Counted already (`prepare` counted the miss and left the read to this acquire).
+    Nothing,
+}
+
+struct Shared {
+    layout: Layout,
+    arena: Arena,
+    reader: io::ExpertReader,
+    state: Mutex<State>,
+    changed: Condvar,
+    queue: Mutex<Queue>,
+    queued: Condvar,
+    /// Parts converted into a repacked layout, and the time it took.
+    converted: AtomicU64,
+    convert_ns: AtomicU64,
+}
+
+pub struct Pager {
+    shared: Arc<Shared>,
+    readers: Vec<std::thread::JoinHandle<()>>,
+}
+
+
+/// An expert's bytes, pinned in its slot until dropped.
+pub struct PinnedExpert<'a> {
+    pager: &'a Pager,
+    slot: SlotId,
+    expert: u32,
+    layer: &'a LayerLayout,
+}
+
+impl PinnedExpert<'_> {
+    /// The bytes of one part (gate, up, gate_up or down) of this expert.
+    pub fn part(&self, part: Part) -> &[u8] {
+        let span = self.layer.part(part).unwrap_or_else(|| panic!("layer {} has no {part:?} part", self.layer.layer));
+        // SAFETY: the slot is pinned and published (ready), so no one writes
+        // it until this pin is dropped, which outlives the returned slice.
+        let bytes = unsafe { self.pager.shared.arena.slot(self.slot) };
+        let start = span.slot_offset + span.head(self.expert);
+        &bytes[start..start + span.bytes]
+    }
+}
+
+impl Drop for PinnedExpert<'_> {
+    fn drop(&mut self) {
+        self.pager.shared.release(self.slot);
+    }
+}
+
+impl Pager {
+    /// A pager over `layout` with `slots[i]` slots for class i, reading
+    /// with `readers` threads, its arena faulted in as `populate` says.
+    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind, pages: PageChoice) -> Result<Pager> {
+        assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
+        let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
+        let arena = Arena::with_pages(&classes, pages)
+            .map_err(|e| Error::invalid(format!("cannot map an expert arena of {} slots: {e}", slots.iter().sum::<usize>())))?;
+        let n = arena.n_slots();
+        let state = State {
+            slots: vec![Slot::default(); n],
+            res: Residency::new(n, policy.build(&policy::Plan::new(&layout, arena.classes()))),
+            counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
+            bytes_read: 0,
+            device_bytes: 0,
+            read_ns: 0,
+            errors: HashMap::new(),
+            failures: 0,
+            batches: HashMap::new(),
+            next_batch: 0,
+            batch_totals: (0, 0, 0),
+            warm_read: 0,
+            in_use: slots.to_vec(),
+            filled: vec![0; slots.len()],
+            gate: gate::PrefetchGate::default(),
+        };
+        let shared = Arc::new(Shared {
+            layout,
+            arena,
+            reader,
+            state: Mutex::new(state),
+            changed: Condvar::new(),
+            queue: Mutex::new(Queue::default()),
+            queued: Condvar::new(),
+            converted: AtomicU64::new(0),
+            convert_ns: AtomicU64::new(0),
+        });
+        let mut readers = (0..readers.max(1))
+            .map(|i| {
+                let shared = Arc::clone(&shared);
+                std::thread::Builder::new()
+                    .name(format!("sdq-reader-{i}"))
+                    .spawn(move || shared.read_jobs())
+                    .map_err(|e| Error::invalid(format!("cannot start reader thread {i}: {e}")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        match populate {
+            Populate::Off => {}
+            Populate::Now => shared.populate(),
+            Populate::Idle | Populate::Ahead => {
+                let s = Arc::clone(&shared);
+                let window = match populate {
+                    Populate::Ahead => Some(POPULATE_AHEAD_BYTES),
+                    _ => None,
+                };
+                let t = std::thread::Builder::new()
+                    .name("sdq-populate".into())
+                    .spawn(move || s.populate_idle(window))
+                    .map_err(|e| Error::invalid(format!("cannot start the populate thread: {e}")))?;
+                readers.push(t);
+            }
+        }
+        Ok(Pager { shared, readers })
+    }
+
+    /// The pages behind the arena.
+    pub fn arena_backing(&self) -> &arena::Backing {
+        self.shared.arena.backing()
+    }
+
+    /// Why the arena has other pages than it was asked for.
+    pub fn arena_fallback(&self) -> Option<&str> {
+        self.shared.arena.fallback()
+    }
+
+    /// Bytes of the arena in huge pages now (None if unreadable).
+    pub fn arena_huge_bytes(&self) -> Option<u64> {
+        self.shared.arena.huge_bytes()
+    }
+
+    /// Bytes of the arena backed by memory now (None if unreadable).
+    pub fn arena_resident_bytes(&self) -> Option<u64> {
+        self.shared.arena.resident_bytes()
+    }
+
+    /// Bytes of the slots that have held an expert so far: each class's
+    /// slots up to its fill frontier.
+    pub fn arena_filled_bytes(&self) -> u64 {
+        let st = self.shared.lock();
+        self.shared.arena.classes().iter().zip(&st.filled).map(|(c, &n)| (n * c.slot_bytes) as u64).sum()
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.shared.layout
+    }
+
+    /// True if every class has a slot for each expert of its layers.
+    pub fn holds_every_expert(&self) -> bool {
+        let layers = self.shared.layout.layers_per_class();
+        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= l * n_expert)
+    }
+
+    /// How many tokens' experts the arena holds at `top_k` a layer: the
+    /// tightest slot class's slots over its layers' top-k.
+    pub fn token_cycles(&self, top_k: usize) -> f64 {
+        let layers = self.shared.layout.layers_per_class();
+        let classes = self.shared.arena.classes().iter().zip(layers).filter(|(_, l)| *l > 0);
+        classes.map(|(c, l)| c.count as f64 / (l * top_k.max(1)) as f64).fold(f64::INFINITY, f64::min)
+    }
+
+    pub fn arena(&self) -> &Arena {
+        &self.shared.arena
+    }
+
+    fn layer(&self, layer: u32, expert: u32) -> Result<&LayerLayout> {
+        let ll = self
+            .shared
+            .layout
+            .layers
+            .get(&layer)
+            .ok_or_else(|| Error::invalid(format!("layer {layer} has no paged experts")))?;
+        if expert >= ll.n_expert {
+            return Err(Error::invalid(format!("expert {expert} of layer {layer} out of range ({} experts)", ll.n_expert)));
+        }
+        Ok(ll)
+    }
+
+    /// Starts a batch's use of `experts` of `layer` (the router's choice):
+    /// counts each as a hit or a miss, and submits every miss to the readers
+    /// at once, into slots that hold none of the batch's experts. Returns the
+    /// misses it found no slot for: their acquire reads them (`Count::Nothing`).
+    pub fn prepare(&self, layer: u32, experts: &[u32]) -> Result<Vec<u32>> {
+        let sh = &*self.shared;
+        for &e in experts {
+            self.layer(layer, e)?;
+        }
+        let ll = &sh.layout.layers[&layer];
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let class = st.usable(&sh.arena, ll.class);
+        let admission = {
+            let State { slots, res, .. } = &mut *st;
+            // Slots still pinned belong to reads in flight (prefetches).
+            res.admit(layer, class, experts, &|s| slots[s].pins == 0)
+        };
+        let c = st.counts.get_mut(&layer).expect("layer counted");
+        c.hits += admission.hits.len() as u64;
+        c.misses += (admission.fills.len() + admission.deferred.len()) as u64;
+        for &(_, slot) in &admission.hits {
+            let s = &mut st.slots[slot];
+            let (prefetched, ready) = (std::mem::take(&mut s.prefetched), s.ready);
+            if prefetched {
+                let c = st.counts.get_mut(&layer).expect("layer counted");
+                c.prefetch_used += 1;
+                if !ready {
+                    c.prefetch_late += 1;
+                    sh.promote(slot);
+                }
+            }
+        }
+        for f in &admission.fills {
+            jobs.extend(sh.start_load(&mut st, f.slot, ll, f.expert, f.evicted, false));
+            st.slots[f.slot].awaiting = true;
+        }
+        if !jobs.is_empty() {
+            let id = st.next_batch;
+            st.next_batch += 1;
+            for j in &jobs {
+                st.slots[j.slot].batch = Some(id);
+            }
+            let bytes = (jobs.len() / ll.parts.len()) as u64 * ll.expert_bytes as u64;
+            st.batches.insert(id, (bytes, jobs.len() as u32, Instant::now()));
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Demand);
+        Ok(admission.deferred)
+    }
+
+    /// Starts reading the experts of `layer` in `experts` (best first) that
+    /// are not in the arena, at low priority, while layer `current` is being
+    /// computed. A victim must be unpinned and hold no expert of `current` or
+    /// `layer`; it stops at the first expert with no such slot.
+    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
+        let sh = &*self.shared;
+        let Some(ll) = sh.layout.layers.get(&layer) else { return };
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let class = st.usable(&sh.arena, ll.class);
+        for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
+            if st.res.slot_of((layer, e)).is_some() {
+                continue;
+            }
+            let victim = {
+                let (slots, res) = (&st.slots, &st.res);
+                res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some((l, _)) if l == current || l == layer))
+            };
+            let Some(slot) = victim else { break };
+            let evicted = st.res.fill(slot, (layer, e));
+            jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+    }
+
+    /// Whether this layer's prefetch should run by default: while most
+    /// prefetched experts are used (see [`gate`]).
+    pub fn prefetch_pays(&self) -> bool {
+        let mut st = self.shared.lock();
+        let (prefetched, used) = st.counts.values().fold((0, 0), |(p, u), c| (p + c.prefetched, u + c.prefetch_used));
+        st.gate.admit(prefetched, used)
+    }
+
+    /// The first of `candidates` (index, expert) whose expert of `layer` is
+    /// in a slot and fully read.
+    pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {
+        let st = self.shared.lock();
+        candidates.into_iter().find(|&(_, e)| st.res.slot_of((layer, e)).is_some_and(|s| st.slots[s].ready)).map(|(i, _)| i)
+    }
+
+    /// Pins expert `expert` of `layer`, reading it into a slot on a miss
+    /// (or waiting for a read in flight).
+    pub fn acquire(&self, layer: u32, expert: u32, count: Count) -> Result<PinnedExpert<'_>> {
+        let sh = &*self.shared;
+        let ll = self.layer(layer, expert)?;
+        let key = (layer, expert);
+        let mut st = sh.lock();
+        // Failures numbered up to here happened before this acquire.
+        let seen = st.failures;
+        loop {
+            // A read this acquire did not start (an earlier use's, a
+            // prefetch, a preload, another thread's) failed: read it again
+            // here. Only the failure of this acquire's own read is its answer.
+            st.errors.remove(&key);
+            if let Some(slot) = st.res.slot_of(key) {
+                if st.slots[slot].ready {
+                    st.slots[slot].pins += 1;
+                    st.slots[slot].awaiting = false;
+                    return Ok(PinnedExpert { pager: self, slot, expert, layer: ll });
+                }
+                // Being read (by the readers, for this or another thread): wait.
+                if st.slots[slot].prefetched {
+                    sh.promote(slot);
+                }
+                st = sh.wait(st);
+                continue;
+            }
+            // The slots in use may change while this waits (`set_slots`).
+            let class = st.usable(&sh.arena, ll.class);
+            // A slot a batch is still waiting to use goes last: evicting it
+            // means reading it again (a reread) within the same batch.
+            let slots = &st.slots;
+            let victim = st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
+            match victim {
+                Some(victim) => {
+                    if count == Count::Later {
+                        st.counts.get_mut(&layer).expect("layer counted").rereads += 1;
+                    }
+                    let evicted = st.res.fill(victim, key);
+                    st.res.used(victim);
+                    let jobs = sh.start_load(&mut st, victim, ll, expert, evicted, true);
+                    drop(st);
+                    sh.submit(jobs, Lane::Demand);
+                    st = sh.lock();
+                    loop {
+                        if let Some((msg, n)) = st.errors.get(&key) {
+                            if *n > seen {
+                                return Err(Error::invalid(msg.clone()));
+                            }
+                        }
+                        if st.slots[victim].ready && st.res.key(victim) == Some(key) {
+                            // The load's pin is now this acquire's.
+                            return Ok(PinnedExpert { pager: self, slot: victim, expert, layer: ll });
+                        }
+                        st = sh.wait(st);
+                    }
+                }
+                // Every slot of the class is pinned by another thread's
+                // expert; each is released when that expert is computed.
+                None => st = sh.wait(st),
+            }
+        }
+    }
+
+    /// Sets how many slots of each class experts may use: at most what the
+    /// arena was made with, at least one layer's top-k (`min`). Slots past
+    /// the new count are retired: each gives its memory back to the kernel
+    /// at once, or when its last pin is dropped (an expert being computed or
+    /// read is never taken away); its expert is read again on its next use.
+    /// Slots brought back into use start empty. Returns the slot bytes in use.
+    pub fn set_slots(&self, counts: &[usize], min: usize) -> u64 {
+        let sh = &*self.shared;
+        let mut st = sh.lock();
+        for (c, class) in sh.arena.classes().iter().enumerate() {
+            let want = counts.get(c).copied().unwrap_or(class.count).clamp(min.min(class.count), class.count);
+            let had = st.in_use[c];
+            st.in_use[c] = want;
+            for slot in class.first + want.min(had)..class.first + want.max(had) {
+                st.slots[slot].retired = want < had;
+                sh.settle(&mut st, slot);
+            }
+            if want > had {
+                if let Err(e) = sh.arena.restore(class.first + had..class.first + want) {
+                    log::warn!("slots {}..{} brought back on small pages: {e}", class.first + had, class.first + want);
+                }
+            }
+        }
+        let bytes = Self::bytes_in_use(&sh.arena, &st.in_use);
+        drop(st);
+        sh.changed.notify_all();
+        bytes
+    }
+
+    /// Bytes of the slots experts may use (see `set_slots`).
+    pub fn arena_bytes_in_use(&self) -> u64 {
+        Self::bytes_in_use(&self.shared.arena, &self.shared.lock().in_use)
+    }
+
+    /// Slots of each class experts may use (see `set_slots`).
+    pub fn slots_in_use(&self) -> Vec<usize> {
+        self.shared.lock().in_use.clone()
+    }
+
+    fn bytes_in_use(arena: &Arena, in_use: &[usize]) -> u64 {
+        arena.classes().iter().zip(in_use).map(|(c, &n)| (c.slot_bytes * n) as u64).sum()
+    }
+
+    /// Expert bytes read, hits, misses and prefetched hits so far (cheaper than `counts`).
+    pub fn totals(&self) -> PagerTotals {
+        let st = self.shared.lock();
+        let (hits, misses, prefetch_used) = st.counts.values().fold((0, 0, 0), |(h, m, p), c| (h + c.hits, m + c.misses, p + c.prefetch_used));
+        PagerTotals { bytes_read: st.bytes_read, hits, misses, prefetch_used }
+    }
+
+    /// Counts so far.
+    pub fn counts(&self) -> PagerCounts {
+        let st = self.shared.lock();
+        let mut per_layer: Vec<(u32, LayerCounts)> = st.counts.iter().map(|(&l, &c)| (l, c)).collect();
+        per_layer.sort_by_key(|p| p.0);
+        PagerCounts {
+            per_layer,
+            bytes_read: st.bytes_read,
+            device_bytes: st.device_bytes,
+            read_seconds: st.read_ns as f64 / 1e9,
+            reads: self.shared.reader.reads(),
+            read_retries: self.shared.reader.retried(),
+            read_failures: st.failures,
+            converted: self.shared.converted.load(Ordering::Relaxed),
+            convert_seconds: self.shared.convert_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            miss_batches: st.batch_totals.0,
+            miss_batch_bytes: st.batch_totals.1,
+            miss_batch_seconds: st.batch_totals.2 as f64 / 1e9,
+            warm_read: st.warm_read,
+            warm_pending: {
+                let q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+                (q.warm.len() + q.warm_reading) as u64
+            },
+        }
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+        self.shared.queued.notify_all();
+        // The populater may be waiting for the arena to fill.
+        self.shared.changed.notify_all();
+        for r in self.readers.drain(..) {
+            let _ = r.join();
+        }
+    }
+}

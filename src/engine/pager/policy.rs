@@ -1,0 +1,430 @@
+//! Which slot to evict. A policy is pure bookkeeping, no I/O, so the pager
+//! and `sdq replay` run the same code.
+//!
+//! Policies see time in batches: `begin_batch(layer)` starts one layer of
+//! one step, and every use within it happens at the same instant. What they
+//! decide then depends only on the routing, not on which of ggml's threads
+//! got to an expert first, so a recorded trace replays to the live run's
+//! decisions.
+
+use super::arena::SlotId;
+use super::ExpertKey;
+use std::ops::Range;
+
+/// An eviction policy over the arena's slots.
+pub trait Policy: Send {
+    /// The policy's name, as `--sdq-policy` takes it.
+    fn name(&self) -> &'static str;
+    /// A batch of `layer` starts: the uses until the next call are one instant.
+    fn begin_batch(&mut self, layer: u32);
+    /// `slot` now holds `key` (read on demand, prefetched or preloaded).
+    fn filled(&mut self, slot: SlotId, key: ExpertKey);
+    /// The current batch uses `key`, in `slot`.
+    fn used(&mut self, slot: SlotId, key: ExpertKey);
+    /// `slot` holds nothing worth keeping (a failed read).
+    fn forget(&mut self, slot: SlotId);
+    /// The slot in `slots` to give an expert of `layer` (a miss or a
+    /// prefetch), among those for which `evictable` holds. None only when
+    /// no slot is evictable.
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId>;
+    /// What the policy has learned, for a hot set: each expert's use count
+    /// now (held or not). Empty for a policy that keeps none.
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        Vec::new()
+    }
+    /// Starts from the counts a previous run saved.
+    fn learn(&mut self, _counts: &[(ExpertKey, f64)]) {}
+}
+
+/// What a policy is told of the arena: each layer's slot class, and each
+/// class's slots.
+#[derive(Clone, Debug, Default)]
+pub struct Plan {
+    /// (layer, index into `classes`), one per paged layer.
+    pub layer_class: Vec<(u32, usize)>,
+    pub classes: Vec<Range<SlotId>>,
+}
+
+impl Plan {
+    /// The plan of `layout`'s layers over `classes`.
+    pub fn new(layout: &super::layout::Layout, classes: &[super::arena::SlotClass]) -> Plan {
+        Plan { layer_class: layout.layers.values().map(|l| (l.layer, l.class)).collect(), classes: classes.iter().map(|c| c.slots()).collect() }
+    }
+}
+
+/// Least-recently-used order over slots, in batches: a slot's time is the
+/// last batch that filled or used it. A slot never used (or forgotten) has
+/// time 0 and goes first; ties go to the lowest slot id.
+#[derive(Clone, Debug)]
+pub struct Lru {
+    last_use: Vec<u64>,
+    clock: u64,
+}
+
+impl Lru {
+    pub fn new(n_slots: usize) -> Lru {
+        Lru { last_use: vec![0; n_slots], clock: 0 }
+    }
+}
+
+impl Policy for Lru {
+    fn name(&self) -> &'static str {
+        "lru"
+    }
+
+    fn begin_batch(&mut self, _layer: u32) {
+        self.clock += 1;
+    }
+
+    fn filled(&mut self, slot: SlotId, _key: ExpertKey) {
+        self.last_use[slot] = self.clock.max(1);
+    }
+
+    fn used(&mut self, slot: SlotId, _key: ExpertKey) {
+        self.last_use[slot] = self.clock.max(1);
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.last_use[slot] = 0;
+    }
+
+    fn victim(&self, _layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        slots.filter(|&s| evictable(s)).min_by_key(|&s| self.last_use[s])
+    }
+}
+
+/// How many of its layer's batches it takes an expert's use count to
+/// halve in `Freq`: long enough to learn which experts a model favours,
+/// short enough to follow a change of subject within a few hundred tokens.
+/// Chosen by replaying traces (docs/BENCHMARKS.md, "Speed II").
+pub const FREQ_HALF_LIFE: f64 = 64.0;
+
+/// Frequency with aging, aware of the layer cycle: every expert (held or
+/// not) keeps a use count that halves every `FREQ_HALF_LIFE` batches of its
+/// layer, which estimates p, the chance its layer's next batch uses it. The
+/// victim is the held expert whose next use is expected farthest away:
+/// 1/p − 1 tokens, plus the fraction of a token until its layer runs again,
+/// so among equals the layer that just ran (needed last) gives a slot up.
+///
+/// This is where LRU fails: layers run in a fixed cycle, so once the arena
+/// holds less than a token's experts for every layer, the least recently
+/// used expert belongs to the layer that runs next. A count survives
+/// eviction, so an expert the router favours comes back with its history.
+///
+/// With shares (`Freq::with_shares`; the default, `FreqAuto`, turns them
+/// on while they hit more) each layer owns an equal share of its slot
+/// class: a layer holding its share gives up its own expert of the
+/// farthest expected use, or an expert of any layer whose count has aged
+/// below one use, and a layer under its share takes from the layers over
+/// theirs. The counts of different layers compare badly on a trained
+/// model's routing: held to equal shares, the same counts keep 2–3 points
+/// more from 1.5 to 4 token cycles than ranked across the whole class
+/// (docs/BENCHMARKS.md, "Each layer its share").
+pub struct Freq {
+    /// Per slot: the expert held, and whether it was filled (prefetched,
+    /// preloaded) and not used since, which counts as one use.
+    slots: Vec<Option<(ExpertKey, bool)>>,
+    /// Per layer, per expert: (count, the layer's batch it was updated at).
+    counts: Vec<Vec<(f64, u64)>>,
+    /// Per layer: batches run, and the global batch it last ran at.
+    layer_batches: Vec<u64>,
+    last_run: Vec<u64>,
+    /// Batches run, all layers.
+    now: u64,
+    /// With shares: per layer, how many layers share its slot class (0 for
+    /// a layer not in the plan, which has no share).
+    sharers: Option<Vec<usize>>,
+    /// Whether the shares apply now (`FreqAuto` switches them).
+    pub(super) shares_on: bool,
+}
+
+/// Below this count (one use, aged) an expert is up for eviction by any
+/// layer of its class, not only its own: it is what lets a layer with
+/// fewer experts worth keeping than its share lend the rest.
+const LENDABLE_COUNT: f64 = 1.0;
+
+impl Freq {
+    pub fn new(n_slots: usize) -> Freq {
+        Freq { slots: vec![None; n_slots], counts: Vec::new(), layer_batches: Vec::new(), last_run: Vec::new(), now: 0, sharers: None, shares_on: false }
+    }
+
+    /// Freq with each layer in an equal share of its class, as `plan` gives
+    /// each layer's class.
+    pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
+        let layer_class = &plan.layer_class;
+        let n_layers = layer_class.iter().map(|&(l, _)| l as usize + 1).max().unwrap_or(0);
+        let mut sharers = vec![0; n_layers];
+        for &(l, c) in layer_class {
+            sharers[l as usize] = layer_class.iter().filter(|&&(_, c2)| c2 == c).count();
+        }
+        Freq { sharers: Some(sharers), shares_on: true, ..Freq::new(n_slots) }
+    }
+
+    /// The evictable slot in `slots` allowed by `allowed` whose expert's
+    /// next use is expected farthest away (an empty one first); the lowest
+    /// slot id among equals.
+    fn farthest(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool, allowed: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
+        slots
+            .filter(|&s| evictable(s) && allowed(s))
+            .map(|s| (self.next_use(s, n_layers), s))
+            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
+            .map(|(_, s)| s)
+    }
+
+    fn batches_of(&self, layer: u32) -> u64 {
+        self.layer_batches.get(layer as usize).copied().unwrap_or(0)
+    }
+
+    /// `key`'s count now, after aging.
+    fn count(&self, key: ExpertKey) -> f64 {
+        let (c, at) = self.counts.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().unwrap_or((0.0, 0));
+        c * decay(self.batches_of(key.0).saturating_sub(at))
+    }
+
+    /// Tokens until `slot`'s expert is expected to be used; infinite for an empty slot.
+    fn next_use(&self, slot: SlotId, n_layers: f64) -> f64 {
+        let Some((key, fresh)) = self.slots[slot] else { return f64::INFINITY };
+        let mut count = self.count(key);
+        if fresh {
+            count = count.max(1.0);
+        }
+        // A count of c over a half-life of H batches is a rate of c·ln2/H per batch.
+        let p = (count * std::f64::consts::LN_2 / FREQ_HALF_LIFE).clamp(1e-9, 1.0);
+        let since = self.now - self.last_run.get(key.0 as usize).copied().unwrap_or(0);
+        1.0 / p - 1.0 + (1.0 - since as f64 / n_layers).max(0.0)
+    }
+}
+
+/// The factor a count keeps after `batches` of its layer.
+fn decay(batches: u64) -> f64 {
+    (-(batches as f64) / FREQ_HALF_LIFE).exp2()
+}
+
+impl Policy for Freq {
+    fn name(&self) -> &'static str {
+        if self.sharers.is_some() {
+            "freq-shares"
+        } else {
+            "freq"
+        }
+    }
+
+    fn begin_batch(&mut self, layer: u32) {
+        let l = layer as usize;
+        if self.layer_batches.len() <= l {
+            self.layer_batches.resize(l + 1, 0);
+            self.last_run.resize(l + 1, 0);
+        }
+        self.now += 1;
+        self.layer_batches[l] += 1;
+        self.last_run[l] = self.now;
+    }
+
+    fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.slots[slot] = Some((key, true));
+    }
+
+    fn used(&mut self, slot: SlotId, key: ExpertKey) {
+        let now = self.batches_of(key.0);
+        let (l, e) = (key.0 as usize, key.1 as usize);
+        if self.counts.len() <= l {
+            self.counts.resize(l + 1, Vec::new());
+        }
+        if self.counts[l].len() <= e {
+            self.counts[l].resize(e + 1, (0.0, 0));
+        }
+        let c = &mut self.counts[l][e];
+        // One count per batch, however many of the batch's tokens chose it.
+        if c.1 != now || c.0 == 0.0 {
+            *c = (c.0 * decay(now.saturating_sub(c.1)) + 1.0, now);
+        }
+        self.slots[slot] = Some((key, false));
+    }
+
+    fn forget(&mut self, slot: SlotId) {
+        self.slots[slot] = None;
+    }
+
+    fn counts(&self) -> Vec<(ExpertKey, f64)> {
+        let mut out = Vec::new();
+        for (l, experts) in self.counts.iter().enumerate() {
+            for e in 0..experts.len() {
+                let key = (l as u32, e as u32);
+                let c = self.count(key);
+                if c > 0.0 {
+                    out.push((key, c));
+                }
+            }
+        }
+        out
+    }
+
+    fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        for &((l, e), c) in counts {
+            let (l, e) = (l as usize, e as usize);
+            if self.counts.len() <= l {
+                self.counts.resize(l + 1, Vec::new());
+            }
+            if self.counts[l].len() <= e {
+                self.counts[l].resize(e + 1, (0.0, 0));
+            }
+            self.counts[l][e] = (c, self.layer_batches.get(l).copied().unwrap_or(0));
+        }
+    }
+
+    fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        let any = |_: SlotId| true;
+        let Some(sharers) = self.sharers.as_ref().filter(|_| self.shares_on).and_then(|v| v.get(layer as usize)).copied().filter(|&n| n > 0) else {
+            return self.farthest(slots, evictable, &any);
+        };
+        let share = (slots.len() / sharers).max(1);
+        let mut held = vec![0usize; self.counts.len().max(layer as usize + 1)];
+        for s in slots.clone() {
+            if let Some(((l, _), _)) = self.slots[s] {
+                if held.len() <= l as usize {
+                    held.resize(l as usize + 1, 0);
+                }
+                held[l as usize] += 1;
+            }
+        }
+        let chosen = if held[layer as usize] >= share {
+            // At its share: its own, or what its layer no longer uses.
+            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+                None => true,
+                Some((key, fresh)) => key.0 == layer || (!fresh && self.count(key) < LENDABLE_COUNT),
+            })
+        } else {
+            // Under its share: from a layer over its own.
+            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+                None => true,
+                Some(((l, _), _)) => held[l as usize] > share,
+            })
+        };
+        // Nothing so allowed is evictable (pinned, or a prefetch that may
+        // not touch its own layer): the farthest of any layer.
+        chosen.or_else(|| self.farthest(slots, evictable, &any))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lru_evicts_the_least_recent_batch_unpinned() {
+        let mut lru = Lru::new(4);
+        for s in [0, 1, 2, 3] {
+            lru.begin_batch(0);
+            lru.filled(s, (0, s as u32));
+        }
+        lru.begin_batch(0);
+        lru.used(0, (0, 0));
+        assert_eq!(lru.victim(0, 0..4, &|_| true), Some(1));
+        assert_eq!(lru.victim(0, 0..4, &|s| s != 1), Some(2));
+        assert_eq!(lru.victim(0, 2..4, &|_| true), Some(2));
+        lru.forget(3);
+        assert_eq!(lru.victim(0, 0..4, &|_| true), Some(3));
+        assert_eq!(lru.victim(0, 0..4, &|_| false), None);
+        // Uses within one batch are one instant: the lowest slot goes first.
+        lru.begin_batch(1);
+        for s in [3, 2, 1] {
+            lru.used(s, (1, s as u32));
+        }
+        assert_eq!(lru.victim(0, 1..4, &|_| true), Some(1));
+    }
+
+    #[test]
+    fn freq_keeps_what_the_router_favours_across_the_layer_cycle() {
+        let mut f = Freq::new(3);
+        // Layer 0 uses expert 1 every token and 2, 3, 4… once each; layer 1 runs in between.
+        for t in 0..20u32 {
+            f.begin_batch(0);
+            f.filled(0, (0, 1));
+            f.used(0, (0, 1));
+            f.filled(1, (0, 10 + t));
+            f.used(1, (0, 10 + t));
+            f.begin_batch(1);
+            f.filled(2, (1, 0));
+            f.used(2, (1, 0));
+        }
+        // The one-off goes before the favourite, though both were just used.
+        assert_eq!(f.victim(0, 0..2, &|_| true), Some(1));
+        // Equal counts: layer 1 ran last, so its expert is needed last.
+        let mut g = Freq::new(2);
+        g.begin_batch(0);
+        g.used(0, (0, 5));
+        g.begin_batch(1);
+        g.used(1, (1, 5));
+        assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
+        // A prefetched expert counts as used once; an empty slot goes first.
+        g.filled(0, (0, 6));
+        g.forget(1);
+        assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
+        assert_eq!(g.victim(0, 0..2, &|s| s == 0), Some(0));
+        // Counts carry over to a fresh policy (a warm start).
+        let mut h = Freq::new(2);
+        h.learn(&f.counts());
+        assert_eq!(h.counts(), f.counts());
+        h.filled(0, (0, 1));
+        h.filled(1, (0, 29));
+        assert_eq!(h.victim(0, 0..2, &|_| true), Some(1), "the favourite's history came along");
+    }
+
+    #[test]
+    fn with_shares_a_layer_gives_up_its_own_until_under_its_share() {
+        // Two layers share one class of 4 slots: a share of 2 each.
+        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: vec![0..4] };
+        let mut f = Freq::with_shares(4, &plan);
+        let use_in = |f: &mut Freq, slot: SlotId, key: ExpertKey, times: u32| {
+            for _ in 0..times {
+                f.begin_batch(key.0);
+                f.filled(slot, key);
+                f.used(slot, key);
+            }
+        };
+        // Layer 0 holds two favourites, layer 1 two experts used less.
+        use_in(&mut f, 0, (0, 1), 8);
+        use_in(&mut f, 1, (0, 2), 6);
+        use_in(&mut f, 2, (1, 1), 3);
+        use_in(&mut f, 3, (1, 2), 2);
+        // Without shares, layer 0's miss would take layer 1's least used.
+        let mut whole = Freq::with_shares(4, &plan);
+        whole.shares_on = false;
+        for (slot, key, n) in [(0, (0, 1), 8), (1, (0, 2), 6), (2, (1, 1), 3), (3, (1, 2), 2)] {
+            use_in(&mut whole, slot, key, n);
+        }
+        assert_eq!(whole.victim(0, 0..4, &|_| true), Some(3));
+        // With them, layer 0 is at its share: it gives up its own.
+        f.begin_batch(0);
+        assert_eq!(f.victim(0, 0..4, &|_| true), Some(1));
+        // Pinned, its own cannot go: then the farthest of any layer.
+        assert_eq!(f.victim(0, 0..4, &|s| s >= 2), Some(3));
+        // Layer 1 holding 3 of 4 slots, layer 0 (under its share) takes
+        // layer 1's least used, though its own in slot 0 is used less.
+        f.forget(1);
+        f.filled(1, (1, 9));
+        for _ in 0..4 {
+            f.begin_batch(1);
+            f.used(1, (1, 9));
+        }
+        f.forget(0);
+        f.filled(0, (0, 5));
+        f.used(0, (0, 5));
+        f.begin_batch(0);
+        assert_eq!(f.victim(0, 0..4, &|_| true), Some(3));
+        // An expert used once long ago is lent to any layer.
+        let mut g = Freq::with_shares(4, &plan);
+        use_in(&mut g, 0, (0, 1), 8);
+        use_in(&mut g, 1, (0, 2), 6);
+        use_in(&mut g, 2, (1, 1), 1);
+        use_in(&mut g, 3, (1, 2), 6);
+        for _ in 0..10 {
+            g.begin_batch(1);
+            g.used(3, (1, 2));
+        }
+        g.begin_batch(0);
+        assert!(g.count((1, 1)) < LENDABLE_COUNT);
+        assert_eq!(g.victim(0, 0..4, &|_| true), Some(2));
+    }
+}

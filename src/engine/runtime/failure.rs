@@ -1,0 +1,150 @@
+//! How an error leaves sdq when nothing can be returned (inside ggml's
+//! callbacks and the loader's hooks): a tool ends with the error; a batch is
+//! abandoned where the tool goes on without it (llama-server, a host
+//! program); a load fails inside a host program. Also `guard`, which keeps a
+//! panic from unwinding into C or C++.
+
+use super::get;
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::Mutex;
+
+/// Ends the process at once with `msg` on stderr (and the stats file, if
+/// asked for). For errors inside ggml's callbacks, where nothing can be
+/// returned: no token is produced after this.
+pub fn fatal(msg: &str) -> ! {
+    eprintln!("sdq: error: {msg}");
+    if let Some(rt) = get() {
+        rt.finish(false);
+    }
+    // SAFETY: _exit ends the process without running atexit handlers or
+    // destructors, which other threads (ggml's workers) may still be using.
+    unsafe { libc::_exit(1) }
+}
+
+/// A batch abandoned because an expert read failed. llama-server goes on
+/// without the batch: every context asks sdq's abort callback after each
+/// node (patch 0011), and the server answers the batch's requests with the
+/// error. A host program of sdq's libllama sees llama_decode fail. Every
+/// other tool ends on a failed read (llama-cli shares the server's code, and
+/// the callback, but is told not to go on).
+struct BatchAbort {
+    /// The tool abandons a batch rather than end (`allow_batch_abort`).
+    supported: AtomicBool,
+    /// `IDLE`, `REQUESTED` (ggml has yet to be told to stop the graph) or
+    /// `STOPPING` (told: the graph ends at this node; failures of its other
+    /// threads in the same node are the same batch's).
+    state: AtomicU8,
+    /// The first error of the abandoned batch, until the tool takes it.
+    error: Mutex<Option<String>>,
+}
+
+const IDLE: u8 = 0;
+const REQUESTED: u8 = 1;
+const STOPPING: u8 = 2;
+
+static BATCH_ABORT: BatchAbort = BatchAbort { supported: AtomicBool::new(false), state: AtomicU8::new(IDLE), error: Mutex::new(None) };
+
+/// An expert the batch needs could not be read: the batch is abandoned where
+/// the tool can do that (its outputs are never used: ggml stops the graph
+/// after the current node and the tool drops the batch), else the process
+/// ends with the error.
+pub fn fail_batch(msg: &str) {
+    if !BATCH_ABORT.supported.load(Ordering::Acquire) {
+        fatal(msg);
+    }
+    let mut first = BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner());
+    // Said once per abandoned batch (its other threads may fail too, also
+    // after ggml was told to stop, while they finish the node).
+    if BATCH_ABORT.state.compare_exchange(IDLE, REQUESTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        say_error(&format!("sdq: error: {msg}; the batch is abandoned"));
+    }
+    if first.is_none() {
+        *first = Some(msg.to_string());
+    }
+}
+
+/// sdq runs inside a host program (src/host/library.rs): what would end a tool
+/// fails the batch instead (llama_decode returns non-zero), and the host
+/// goes on.
+static EMBEDDED: AtomicBool = AtomicBool::new(false);
+
+/// The error that fails the model load in progress (inside a host program).
+static LOAD_ERROR: Mutex<Option<String>> = Mutex::new(None);
+
+/// A file or weight sdq cannot page: inside a host program the model load
+/// fails (the loader throws the error: llama_model_load_from_file returns
+/// NULL) and the program goes on; a tool ends with the error.
+pub fn fail_load(msg: &str) {
+    if !EMBEDDED.load(Ordering::Acquire) {
+        fatal(msg);
+    }
+    let mut e = LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner());
+    if e.is_none() {
+        say_error(&format!("sdq: error: {msg}"));
+        *e = Some(msg.to_string());
+    }
+}
+
+/// The error that fails the model load in progress, once.
+pub fn take_load_error() -> Option<String> {
+    LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// An error line on stderr; inside a host program also in the program's own
+/// llama.cpp log callback, if it set one (`llama::log_error`).
+fn say_error(line: &str) {
+    if EMBEDDED.load(Ordering::Acquire) {
+        crate::engine::ffi::llama::log_error(line);
+    } else {
+        eprintln!("{line}");
+    }
+}
+
+/// True inside a host program that loaded sdq's libllama (`embed`).
+pub fn embedded() -> bool {
+    EMBEDDED.load(Ordering::Acquire)
+}
+
+/// True from a batch's failure until ggml has stopped its graph.
+pub fn batch_abandoned() -> bool {
+    BATCH_ABORT.state.load(Ordering::Acquire) != IDLE
+}
+
+/// This process is a host program that loaded sdq's libllama.
+pub fn embed() {
+    EMBEDDED.store(true, Ordering::Release);
+    allow_batch_abort();
+}
+
+/// The tool abandons a batch whose expert read failed and goes on (llama-server).
+pub fn allow_batch_abort() {
+    BATCH_ABORT.supported.store(true, Ordering::Release);
+}
+
+/// ggml's abort callback: true once after a batch was abandoned. ggml asks
+/// after each node, and stops the graph at the first true; so when it asks
+/// again after that, it runs the next graph, and the abandoned batch is over.
+pub fn abort_requested() -> bool {
+    match BATCH_ABORT.state.load(Ordering::Acquire) {
+        REQUESTED => {
+            BATCH_ABORT.state.store(STOPPING, Ordering::Release);
+            true
+        }
+        STOPPING => {
+            BATCH_ABORT.state.store(IDLE, Ordering::Release);
+            false
+        }
+        _ => false,
+    }
+}
+
+/// The error that abandoned the last batch, once.
+pub fn take_batch_error() -> Option<String> {
+    BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+}
+
+/// Runs `f` (a callback from C or C++, which nothing may unwind into),
+/// turning a panic into a clean fatal error naming `what`.
+pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| fatal(&format!("internal error in {what}")))
+}

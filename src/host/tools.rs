@@ -1,0 +1,242 @@
+//! The drop-in llama.cpp tools: each binary runs one upstream tool's entry
+//! function with upstream's argv, exit code and signal behaviour.
+
+use crate::engine::runtime::options::{self, Options};
+use crate::engine::memory::growth;
+use crate::engine::runtime::{self, preflight};
+use crate::engine::hooks;
+use std::ffi::{c_char, c_int, CString, OsString};
+use std::os::unix::ffi::OsStringExt;
+
+/// sdq's version and the pinned llama.cpp commit, as `--version` prints them.
+pub const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (llama.cpp ", env!("SDQ_LLAMA_COMMIT"), ")");
+
+/// An upstream tool's entry function, `int llama_x(int argc, char ** argv)`, behind its C shim.
+pub type Entry = unsafe extern "C" fn(c_int, *mut *mut c_char) -> c_int;
+
+/// The C shims (shim/tools/*.cpp): each calls one tool's upstream entry
+/// function inside try/catch. Only declared here, so a binary links just the
+/// tool it names.
+pub mod entry {
+    use std::ffi::{c_char, c_int};
+    extern "C" {
+        pub fn sdq_tool_cli(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_completion(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_server(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_bench(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_perplexity(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_quantize(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_batched_bench(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_gguf_split(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_imatrix(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_tokenize(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_mtmd_cli(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_test_llama_archs(argc: c_int, argv: *mut *mut c_char) -> c_int;
+    }
+}
+
+extern "C" fn print_sdq_help() {
+    eprint!("\n{}", options::HELP);
+}
+
+/// At exit: the stats file and the summary line (also for a host program of
+/// sdq's libllama, src/host/library.rs).
+pub(crate) extern "C" fn finish_runtime() {
+    finish_runtime_checked();
+}
+
+/// Finishes the runtime; false if the budget was not honoured (see `Runtime::finish`).
+fn finish_runtime_checked() -> bool {
+    runtime::get().is_none_or(|rt| rt.finish(true))
+}
+
+/// The models named by `-m`/`--model` (or `LLAMA_ARG_MODEL`); llama-bench
+/// also takes a comma-separated list.
+fn model_paths(args: &[OsString]) -> Vec<std::path::PathBuf> {
+    let mut values: Vec<String> = Vec::new();
+    let mut it = args.iter().skip(1).map(|a| a.to_string_lossy().into_owned());
+    while let Some(a) = it.next() {
+        if a == "-m" || a == "--model" {
+            values.extend(it.next());
+        } else if let Some(v) = a.strip_prefix("--model=") {
+            values.push(v.to_string());
+        }
+    }
+    if values.is_empty() {
+        values.extend(std::env::var("LLAMA_ARG_MODEL").ok().filter(|v| !v.is_empty()));
+    }
+    values
+        .into_iter()
+        .flat_map(|v| {
+            if v.contains(',') && !std::path::Path::new(&v).exists() {
+                v.split(',').map(std::path::PathBuf::from).collect::<Vec<_>>()
+            } else {
+                vec![std::path::PathBuf::from(v)]
+            }
+        })
+        .collect()
+}
+
+/// Checks each model the tool is about to load under a budget, exiting with
+/// a one-line error if one is unusable. Tools that name no model file
+/// (downloads, a server's model directory) get no checks.
+fn check_models(program: &str, args: &[OsString]) -> Vec<preflight::ModelCheck> {
+    model_paths(args)
+        .iter()
+        .map(|p| {
+            preflight::check_model(p).unwrap_or_else(|e| {
+                eprintln!("{program}: error: {e}");
+                std::process::exit(1);
+            })
+        })
+        .collect()
+}
+
+/// The draft model the tool will load after its target (`-md`), if it has
+/// routed experts and is another file: its experts are paged beside the
+/// target's. Checked as the target is; exits with the error if unusable.
+fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::ModelCheck]) -> Option<std::path::PathBuf> {
+    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let path = std::path::PathBuf::from(growth::draft_model(&text, &|k| std::env::var(k).ok())?);
+    if targets.iter().any(|t| t.files.first() == Some(&path)) {
+        return None;
+    }
+    let check = preflight::check_model(&path).unwrap_or_else(|e| {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    });
+    (check.routed_expert_tensors > 0).then_some(path)
+}
+
+/// Fits the tool's growth after load (prompt cache, context checkpoints) into
+/// the reserve: sets upstream's variables for what the user left alone and
+/// raises the reserve for what they asked for (see `growth`).
+fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, opts: &mut Options) {
+    let fail = |e: crate::error::Error| -> ! {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    };
+    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let settings = growth::ToolSettings::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| fail(e));
+    let reserve = opts.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(budget));
+    let plan = growth::plan(&settings, reserve, checkpoint).unwrap_or_else(|e| fail(e));
+    for (k, v) in &plan.env {
+        std::env::set_var(k, v);
+    }
+    if let Some(n) = &plan.notice {
+        eprintln!("sdq: notice: {n}");
+    }
+    if plan.reserve != reserve {
+        opts.reserve = Some(plan.reserve);
+    }
+}
+
+/// True if `program` is the tool `tool` (also under a suffixed name).
+fn tool_is(program: &str, tool: &str) -> bool {
+    std::path::Path::new(program).file_name().is_some_and(|n| n.to_string_lossy().starts_with(tool))
+}
+
+/// llama-server and llama-cli keep a prompt cache and checkpoints; the other
+/// tools ignore the variables.
+fn tool_has_prompt_cache(program: &str) -> bool {
+    tool_is(program, "llama-server") || tool_is(program, "llama-cli")
+}
+
+/// Runs the tool behind `entry` with this process's arguments and exits with
+/// its status, as the upstream `main` would. sdq's own options are taken out
+/// first; with a RAM budget, routed experts are paged.
+pub fn run(entry: Entry) -> ! {
+    // Rust starts with SIGPIPE ignored; upstream's C++ tools die on it (`| head`).
+    // SAFETY: restoring the default disposition of a signal before any other thread exists.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).format_target(false).init();
+    let program = std::env::args_os().next().map(|p| p.to_string_lossy().into_owned()).unwrap_or_default();
+    let mut args: Vec<OsString> = std::env::args_os().collect();
+    let mut opts = match Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("{program}: error: {e}");
+            std::process::exit(1);
+        }
+    };
+    if args.iter().skip(1).any(|a| a == "--version") {
+        // Upstream's own version lines follow (its build number and commit).
+        eprintln!("sdq {VERSION}");
+    }
+    if args.iter().skip(1).any(|a| a == "-h" || a == "--help" || a == "--usage") {
+        // Upstream prints its help and may exit() from inside its parser.
+        // SAFETY: registering a plain extern "C" function with no state.
+        unsafe { libc::atexit(print_sdq_help) };
+    }
+    if let Err(e) = opts.check_needs_budget() {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    }
+    if let Some(Err(e)) = opts.budget.map(crate::engine::memory::budget::check_against_ram) {
+        eprintln!("{program}: error: {e}");
+        std::process::exit(1);
+    }
+    let checks = if opts.budget.is_some() { check_models(&program, &args) } else { Vec::new() };
+    // Models were named and none has routed experts: there is nothing to page.
+    if !checks.is_empty() && checks.iter().all(|c| c.routed_expert_tensors == 0) {
+        let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
+        eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
+    } else if let Some(budget) = opts.budget {
+        if tool_is(&program, "llama-imatrix") {
+            // It reads each expert matmul's input from the graph (patch 0003
+            // shows it sdq's paged matmul as MUL_MAT_ID); the fused layer op
+            // would hide the down projection's input.
+            hooks::use_per_matmul_experts();
+        }
+        if tool_is(&program, "llama-server") {
+            // It answers a batch whose expert read failed with the error and
+            // goes on (patch 0004); every other tool ends with the error.
+            runtime::allow_batch_abort();
+        }
+        if tool_has_prompt_cache(&program) {
+            let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
+            fit_growth(&program, &args, checkpoint, budget, &mut opts);
+        }
+        let draft = draft_with_experts(&program, &args, &checks);
+        if draft.is_some() && opts.trace_file.is_some() {
+            eprintln!("{program}: error: --sdq-trace records one model's routing, and the draft model has routed experts too: trace without -md");
+            std::process::exit(1);
+        }
+        // Children (llama-server's router re-executes itself) inherit the options.
+        for (k, v) in opts.to_env() {
+            std::env::set_var(k, v);
+        }
+        if let Err(e) = runtime::install(opts) {
+            eprintln!("{program}: error: {e}");
+            std::process::exit(1);
+        }
+        if let (Some(rt), Some(draft)) = (runtime::get(), draft) {
+            rt.await_model(draft);
+        }
+        hooks::install();
+        // Tools may exit() without returning; the stats are written either way.
+        // SAFETY: registering a plain extern "C" function with no state.
+        unsafe { libc::atexit(finish_runtime) };
+    }
+    let args: Vec<CString> = args
+        .into_iter()
+        .map(|a| {
+            let mut bytes = a.into_vec();
+            bytes.retain(|&b| b != 0); // argv strings from the OS never hold NUL
+            CString::new(bytes).expect("NUL removed")
+        })
+        .collect();
+    let mut argv: Vec<*mut c_char> = args.iter().map(|a| a.as_ptr() as *mut c_char).collect();
+    let argc = c_int::try_from(args.len()).expect("argument count fits in int");
+    argv.push(std::ptr::null_mut());
+    // SAFETY: argv is a NULL-terminated array of argc valid C strings that
+    // outlive the call (`args` lives until exit); the shim catches C++
+    // exceptions, so nothing unwinds into Rust.
+    let code = unsafe { entry(argc, argv.as_mut_ptr()) };
+    let honoured = finish_runtime_checked();
+    let code = if code == 0 && !honoured { 1 } else { code };
+    // exit() runs atexit handlers and flushes stdio, as returning from main does.
+    std::process::exit(code)
+}
