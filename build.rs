@@ -19,16 +19,12 @@ use std::process::{self, Command};
 
 /// Top-level entries of the llama.cpp tree the build never needs (models,
 /// docs, tests, …); leaving them out keeps the copy small.
-const SKIP_TOP_LEVEL: &[&str] = &[
-    "models", "docs", "media", "gguf-py", "tests", "benches", "examples", "pocs", ".github",
-    "conversion", "requirements", "grammars", "skills", ".sdq-pin",
-];
+const SKIP_TOP_LEVEL: &[&str] =
+    &["models", "docs", "media", "gguf-py", "tests", "benches", "examples", "pocs", ".github", "conversion", "requirements", "grammars", "skills", ".sdq-pin"];
 
 /// The upstream tools the Cargo binaries run (entry shims in shim/tools/).
-const TOOLS: &[&str] = &[
-    "cli", "completion", "server", "bench", "batched-bench", "perplexity", "quantize", "gguf-split", "imatrix",
-    "tokenize", "mtmd-cli", "test-llama-archs",
-];
+const TOOLS: &[&str] =
+    &["cli", "completion", "server", "bench", "batched-bench", "perplexity", "quantize", "gguf-split", "imatrix", "tokenize", "mtmd-cli", "test-llama-archs"];
 
 /// The headers bindgen reads.
 const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "gguf.h", "llama.h"];
@@ -112,7 +108,9 @@ fn shared_libraries(root: &Path, src: &Path, build_dir: &Path, archives: &[PathB
     // cmake's: libmtmd.so, and ggml's names (empty, needing libllama.so.0).
     let ggml_version = pin.ggml_version.clone();
     let ggml_major = ggml_version.split('.').next().unwrap_or("0").to_string();
-    for (name, version, major) in [("mtmd", &version, &major), ("ggml", &ggml_version, &ggml_major), ("ggml-base", &ggml_version, &ggml_major), ("ggml-cpu", &ggml_version, &ggml_major)] {
+    for (name, version, major) in
+        [("mtmd", &version, &major), ("ggml", &ggml_version, &ggml_major), ("ggml-base", &ggml_version, &ggml_major), ("ggml-cpu", &ggml_version, &ggml_major)]
+    {
         let real = format!("lib{name}.so.{version}");
         let built = build_dir.join("shared").join(&real);
         fs::copy(&built, lib.join(&real)).unwrap_or_else(|e| fail(&format!("cannot copy {}: {e}", built.display())));
@@ -161,8 +159,7 @@ struct Pin {
 
 impl Pin {
     fn read(path: &Path) -> Pin {
-        let text = fs::read_to_string(path)
-            .unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
+        let text = fs::read_to_string(path).unwrap_or_else(|e| fail(&format!("cannot read {}: {e}", path.display())));
         let commit = text
             .lines()
             .filter_map(|l| l.split_once('='))
@@ -480,13 +477,7 @@ fn build_ui(ui: &Path, patches: &[PathBuf], cache: &Path, dist: &Path, node: &No
         }
     }
     let npm = |args: &[&str], env: &[(&str, &Path)]| -> Result<(), String> {
-        let out = node
-            .npm()
-            .args(args)
-            .envs(env.iter().copied())
-            .current_dir(&work)
-            .output()
-            .map_err(|e| format!("cannot run npm: {e}"))?;
+        let out = node.npm().args(args).envs(env.iter().copied()).current_dir(&work).output().map_err(|e| format!("cannot run npm: {e}"))?;
         if out.status.success() {
             return Ok(());
         }
@@ -521,9 +512,7 @@ fn stage_patched_tree(root: &Path, vendor: &Path, out: &Path, ui: Option<&Path>)
     fs::copy(vendor.join("tests/test-llama-archs.cpp"), tests.join("test-llama-archs.cpp"))
         .unwrap_or_else(|e| fail(&format!("copy test-llama-archs.cpp: {e}")));
 
-    let mut patches: Vec<PathBuf> = fs::read_dir(root.join("patches"))
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
-        .unwrap_or_default();
+    let mut patches: Vec<PathBuf> = fs::read_dir(root.join("patches")).map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default();
     patches.retain(|p| p.extension().is_some_and(|e| e == "patch"));
     patches.sort();
     for patch in &patches {
@@ -561,8 +550,7 @@ fn copy_tree(from: &Path, to: &Path, top: bool) {
         if ty.is_dir() {
             copy_tree(&entry.path(), &target, false);
         } else if ty.is_file() {
-            fs::copy(entry.path(), &target)
-                .unwrap_or_else(|e| fail(&format!("copy {}: {e}", entry.path().display())));
+            fs::copy(entry.path(), &target).unwrap_or_else(|e| fail(&format!("copy {}: {e}", entry.path().display())));
         }
     }
 }

@@ -35,12 +35,7 @@ fn touching_a_rust_source_does_not_rebuild_llama_cpp() {
     std::fs::File::options().append(true).open(&src).unwrap().set_modified(SystemTime::now()).unwrap();
 
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let o = Command::new(cargo)
-        .args(["build", "--release", "--bin", "sdq", "-v"])
-        .current_dir(root)
-        .env("CARGO_TERM_COLOR", "never")
-        .output()
-        .unwrap();
+    let o = Command::new(cargo).args(["build", "--release", "--bin", "sdq", "-v"]).current_dir(root).env("CARGO_TERM_COLOR", "never").output().unwrap();
     let log = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "cargo build failed:\n{log}");
     assert!(log.contains("Compiling sdq") || log.contains("Running `"), "the touched source was not rebuilt:\n{log}");

@@ -7,7 +7,23 @@
 
 use libfuzzer_sys::fuzz_target;
 
-const ENV: &[&str] = &["SDQ_RAM_BUDGET", "SDQ_RESERVE_MB", "SDQ_STATS_FILE", "SDQ_FAULT_READ", "SDQ_READERS", "SDQ_READ_RETRIES", "SDQ_READ_BACKOFF_MS", "SDQ_PREFETCH", "SDQ_DIRECT_IO", "SDQ_POPULATE", "SDQ_PRELOAD", "SDQ_POLICY", "SDQ_TRACE_FILE", "LLAMA_ARG_CACHE_RAM", "LLAMA_ARG_N_PARALLEL"];
+const ENV: &[&str] = &[
+    "SDQ_RAM_BUDGET",
+    "SDQ_RESERVE_MB",
+    "SDQ_STATS_FILE",
+    "SDQ_FAULT_READ",
+    "SDQ_READERS",
+    "SDQ_READ_RETRIES",
+    "SDQ_READ_BACKOFF_MS",
+    "SDQ_PREFETCH",
+    "SDQ_DIRECT_IO",
+    "SDQ_POPULATE",
+    "SDQ_PRELOAD",
+    "SDQ_POLICY",
+    "SDQ_TRACE_FILE",
+    "LLAMA_ARG_CACHE_RAM",
+    "LLAMA_ARG_N_PARALLEL",
+];
 
 fuzz_target!(|data: &[u8]| {
     let text = String::from_utf8_lossy(data);

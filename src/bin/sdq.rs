@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Write a MoE GGUF model with real quantized tensors and random weights.
-    GenModel(GenModelArgs),
+    GenModel(Box<GenModelArgs>),
     /// The main job on a built-in default: a generated ~4.8 GB MoE model run
     /// greedily in a 1.5 GiB RAM budget, checked against stock llama.cpp.
     Demo(DemoArgs),
@@ -197,7 +197,8 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
     if !(0.0..=1.0).contains(&a.told_recall) {
         return Err(sdq::Error::invalid(format!("--told-recall: '{}' is not between 0 and 1", a.told_recall)));
     }
-    let told: Vec<sdq::commands::replay::ToldAhead> = a.told_ahead.iter().map(|&batches| sdq::commands::replay::ToldAhead { batches, recall: a.told_recall }).collect();
+    let told: Vec<sdq::commands::replay::ToldAhead> =
+        a.told_ahead.iter().map(|&batches| sdq::commands::replay::ToldAhead { batches, recall: a.told_recall }).collect();
     let report = sdq::commands::replay::Report::new(&a.trace.display().to_string(), &trace, &sizes, &policies, a.judged_from, &told)?;
     if a.json {
         println!("{}", serde_json::to_string_pretty(&report.to_json()).expect("serialize"));
@@ -484,12 +485,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     if let Some(arch) = &a.arch {
         let arch = Arch::from_name(arch)?;
         if ModelSpec::preset_is_a_model(&a.preset) && arch != spec.arch {
-            return Err(sdq::Error::invalid(format!(
-                "--arch {} conflicts with --preset {}, which is a {} model",
-                arch.name(),
-                a.preset,
-                spec.arch.name()
-            )));
+            return Err(sdq::Error::invalid(format!("--arch {} conflicts with --preset {}, which is a {} model", arch.name(), a.preset, spec.arch.name())));
         }
         if arch != spec.arch {
             spec.set_arch(arch);
@@ -498,10 +494,22 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     macro_rules! set {
         ($($field:ident = $arg:ident),*) => { $(if let Some(v) = a.$arg { spec.$field = v; })* };
     }
-    set!(n_layer = layers, n_embd = n_embd, n_head = heads, n_head_kv = kv_heads, head_dim = head_dim,
-         n_expert = experts, n_expert_used = top_k, n_ff_exp = expert_ff, n_ff_shexp = shared_ff,
-         n_vocab = vocab, context_length = context_length,
-         full_attention_interval = full_attention_interval, n_layer_dense_lead = dense_layers, n_nextn = nextn);
+    set!(
+        n_layer = layers,
+        n_embd = n_embd,
+        n_head = heads,
+        n_head_kv = kv_heads,
+        head_dim = head_dim,
+        n_expert = experts,
+        n_expert_used = top_k,
+        n_ff_exp = expert_ff,
+        n_ff_shexp = shared_ff,
+        n_vocab = vocab,
+        context_length = context_length,
+        full_attention_interval = full_attention_interval,
+        n_layer_dense_lead = dense_layers,
+        n_nextn = nextn
+    );
     spec.fused_gate_up |= a.fused_gate_up;
     spec.seed = a.seed;
     match a.routing.as_str() {
@@ -522,16 +530,17 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         spec.carry = c;
     }
     if let Some(t) = &a.expert_type {
-        spec.expert_type = Some(
-            sdq::engine::ffi::ggml::GgmlType::from_name(t)
-                .ok_or_else(|| sdq::Error::invalid(format!("unknown ggml type '{t}' for --expert-type")))?,
-        );
+        spec.expert_type =
+            Some(sdq::engine::ffi::ggml::GgmlType::from_name(t).ok_or_else(|| sdq::Error::invalid(format!("unknown ggml type '{t}' for --expert-type")))?);
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let vocab_file = a.vocab_file.unwrap_or_else(|| genmodel::vocab_file_for(spec.n_vocab));
     if a.mmproj.is_some() && a.vocab.is_none() {
         // Room for the image tokens after the tokenizer's own.
-        let n_tokens = sdq::engine::model::gguf::Gguf::open(&vocab_file)?.get("tokenizer.ggml.tokens").map_or(0, |v| match v { sdq::engine::model::gguf::Value::Array(a) => a.len(), _ => 0 });
+        let n_tokens = sdq::engine::model::gguf::Gguf::open(&vocab_file)?.get("tokenizer.ggml.tokens").map_or(0, |v| match v {
+            sdq::engine::model::gguf::Value::Array(a) => a.len(),
+            _ => 0,
+        });
         spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
     }
     let split_max_bytes = match &a.split_max_size {
@@ -609,7 +618,7 @@ fn main() -> ExitCode {
         sdq::engine::hooks::install();
     }
     let result = match cli.command {
-        Command::GenModel(a) => gen_model(a),
+        Command::GenModel(a) => gen_model(*a),
         Command::Eval(a) => eval(a),
         Command::Demo(a) => demo(a),
         Command::Inspect(a) => inspect(a, &opts),
@@ -620,7 +629,7 @@ fn main() -> ExitCode {
             Err(e) => Err(e),
         },
     };
-    let honoured = sdq::engine::runtime::get().is_none_or(|rt| rt.finish(true));
+    let honoured = sdq::engine::runtime::get().map_or(true, |rt| rt.finish(true));
     match result {
         Ok(()) if !honoured => ExitCode::FAILURE,
         Ok(()) => ExitCode::SUCCESS,

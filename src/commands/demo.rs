@@ -3,9 +3,9 @@
 //! budget with the drop-in `llama-completion`, runs it again without a budget,
 //! and shows that the text is the same and what the pager did.
 
+use crate::commands::genmodel::{self, GenOptions, ModelSpec};
 use crate::engine::memory::budget::{human, parse_size};
 use crate::error::{Error, Result};
-use crate::commands::genmodel::{self, GenOptions, ModelSpec};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

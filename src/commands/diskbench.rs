@@ -5,8 +5,8 @@
 //! and one sequential stream for comparison. This is the ceiling the pager's
 //! miss path is compared against (`scripts/bench-disk`).
 
-use crate::error::{Error, Result};
 use crate::engine::pager::io;
+use crate::error::{Error, Result};
 use serde_json::{json, Value};
 use std::fs::{File, OpenOptions};
 use std::os::unix::fs::{FileExt, OpenOptionsExt};

@@ -2,8 +2,8 @@
 //! the text and the final logits, so a budgeted run can be compared with a
 //! stock one value by value (the upstream tools print no logits).
 
-use crate::error::{Error, Result};
 use crate::engine::ffi::sys;
+use crate::error::{Error, Result};
 use std::ffi::CString;
 use std::path::Path;
 

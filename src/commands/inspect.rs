@@ -2,13 +2,13 @@
 //! experts against what stays resident, per-layer expert types and sizes, the
 //! slot classes, one token's working set, and how a RAM budget would be split.
 
-use crate::engine::memory::budget::{self, human, MIB};
-use crate::error::{Error, Result};
 use crate::engine::ffi::ggml::WeightLayout;
+use crate::engine::memory::budget::{self, human, MIB};
 use crate::engine::model::accounting::projector_memory;
 use crate::engine::model::gguf::{Gguf, TensorInfo};
 use crate::engine::pager::arena::slot_bytes;
 use crate::engine::pager::layout::{Layout, PagedTensor, Part};
+use crate::error::{Error, Result};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -241,7 +241,17 @@ impl ModelFiles {
                     let row = t.ty.row_size(t.ne[0]);
                     let nb = [t.ty.row_size(t.ty.block_size()), row, row * t.ne[1] as usize, row * (t.ne[1] * t.ne[2]) as usize];
                     // Plain: a repacked expert takes as many bytes as the file's.
-                    paged.push(PagedTensor { name: t.name.clone(), layer, part, ty: t.ty, ne: t.ne, nb, file: *file, offset: t.offset, layout: WeightLayout::Plain });
+                    paged.push(PagedTensor {
+                        name: t.name.clone(),
+                        layer,
+                        part,
+                        ty: t.ty,
+                        ne: t.ne,
+                        nb,
+                        file: *file,
+                        offset: t.offset,
+                        layout: WeightLayout::Plain,
+                    });
                 }
                 None => *resident.get_mut(category(&t.name)).expect("category listed") += t.size,
             }
@@ -561,7 +571,10 @@ pub fn render(r: &Value) -> String {
             if let Some(kind) = p["kind"].as_str() {
                 let what = match kind {
                     "replay" => "the model's own routing, replayed at this arena".to_string(),
-                    _ => format!("a projection: another geometry's routing, replayed at the same {:.2} token cycles and scaled", b["token_cycles_held"].as_f64().unwrap_or(0.0)),
+                    _ => format!(
+                        "a projection: another geometry's routing, replayed at the same {:.2} token cycles and scaled",
+                        b["token_cycles_held"].as_f64().unwrap_or(0.0)
+                    ),
                 };
                 line(format!(
                     "  decode predicted from {} ({what}, {} over {} tokens): {:.1} % of lookups held (no read for the token), {:.1} MiB read per token{}",

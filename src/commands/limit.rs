@@ -48,9 +48,8 @@ pub fn change_limit(pid: u32, limit: u64, wait: std::time::Duration) -> Result<V
     let started = Instant::now();
     let old_hard = hard_limit(&dir, v);
     let old_soft = soft_limit(&dir, v);
-    let write = |file: &str, value: &str| -> Result<()> {
-        fs::write(dir.join(file), value).map_err(|e| Error::io(format!("cannot set {file} = {value} in"), &dir, e))
-    };
+    let write =
+        |file: &str, value: &str| -> Result<()> { fs::write(dir.join(file), value).map_err(|e| Error::io(format!("cannot set {file} = {value} in"), &dir, e)) };
     let (hard, soft): (&[&str], &str) = match v {
         // memory+swap must stay at least memory: lowered after, raised before it.
         Version::V1 => (&["memory.limit_in_bytes", "memory.memsw.limit_in_bytes"], "memory.soft_limit_in_bytes"),
@@ -113,9 +112,8 @@ impl Cgroup {
         let dir = parent.join(format!("sdq-limit-{}", std::process::id()));
         fs::create_dir(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
         let cg = Cgroup { dir, version };
-        let set = |file: &str, value: String| {
-            fs::write(cg.dir.join(file), &value).map_err(|e| format!("cannot set {file} = {value} in {}: {e}", cg.dir.display()))
-        };
+        let set =
+            |file: &str, value: String| fs::write(cg.dir.join(file), &value).map_err(|e| format!("cannot set {file} = {value} in {}: {e}", cg.dir.display()));
         match version {
             Version::V1 => {
                 set("memory.limit_in_bytes", limit.to_string())?;

@@ -13,15 +13,15 @@
 //! Over 600 lines: a third of it is the tests, which replay generated
 //! traces through every policy and the bound, kept beside what they check.
 
-use crate::error::{Error, Result};
 use crate::engine::pager::arena::SlotClass;
-use crate::engine::pager::layout::Layout;
 use crate::engine::pager::arena::SlotId;
+use crate::engine::pager::layout::Layout;
 use crate::engine::pager::policy::{Plan, Policy};
-use crate::engine::pager::PolicyKind;
 use crate::engine::pager::residency::Residency;
 use crate::engine::pager::ExpertKey;
+use crate::engine::pager::PolicyKind;
 use crate::engine::routing::trace::{Phase, Trace};
+use crate::error::{Error, Result};
 use std::collections::{BTreeSet, HashMap};
 use std::ops::Range;
 
@@ -143,9 +143,7 @@ impl Policy for KnownFrequency {
     }
 
     fn victim(&self, _layer: u32, slots: std::ops::Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        slots
-            .filter(|&s| evictable(s))
-            .min_by_key(|&s| self.slots[s].map_or((0, 0, 0), |(key, t)| (1, self.counts.get(&key).copied().unwrap_or(0), t)))
+        slots.filter(|&s| evictable(s)).min_by_key(|&s| self.slots[s].map_or((0, 0, 0), |(key, t)| (1, self.counts.get(&key).copied().unwrap_or(0), t)))
     }
 }
 
@@ -333,7 +331,14 @@ pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, po
     }
     let per_token = tally.decode_bytes_read as f64 / decode_steps as f64;
     let scale = if same_geometry { 1.0 } else { model_cycle as f64 / trace.token_cycle().max(1) as f64 };
-    Ok(Prediction { same_geometry, cycles, replayed_arena_bytes: replayed, decode_steps, decode_hit_pct: tally.decode_hit_pct(), decode_bytes_per_token: per_token * scale })
+    Ok(Prediction {
+        same_geometry,
+        cycles,
+        replayed_arena_bytes: replayed,
+        decode_steps,
+        decode_hit_pct: tally.decode_hit_pct(),
+        decode_bytes_per_token: per_token * scale,
+    })
 }
 
 /// One budget's results.
@@ -465,7 +470,12 @@ impl Report {
         for o in &self.outcomes {
             let cycles = o.arena_bytes as f64 / self.token_cycle.max(1) as f64;
             let told: Vec<(String, &Tally)> = o.told.iter().map(|(a, t)| (told_name(a), t)).collect();
-            let rows = o.policies.iter().map(|(p, t)| (p.name().to_string(), t)).chain(told).chain([("known-fr".to_string(), &o.known_frequency), ("belady".to_string(), &o.belady)]);
+            let rows = o
+                .policies
+                .iter()
+                .map(|(p, t)| (p.name().to_string(), t))
+                .chain(told)
+                .chain([("known-fr".to_string(), &o.known_frequency), ("belady".to_string(), &o.belady)]);
             for (name, t) in rows {
                 let gap = Self::gap_share(o, t).map_or_else(|| "-".to_string(), |g| format!("{g:.0}"));
                 out += &format!(
@@ -497,7 +507,11 @@ impl Report {
             }
             means.extend(mean("known frequency", &|o: &Outcome| Some(o.known_frequency)));
             if !means.is_empty() {
-                out += &format!("share of the LRU → Bélády gap closed (decode), mean over the {} sizes from 1 to 4 token cycles: {}\n", mid.len(), means.join(", "));
+                out += &format!(
+                    "share of the LRU → Bélády gap closed (decode), mean over the {} sizes from 1 to 4 token cycles: {}\n",
+                    mid.len(),
+                    means.join(", ")
+                );
             }
         }
         out

@@ -1,10 +1,10 @@
 //! The drop-in llama.cpp tools: each binary runs one upstream tool's entry
 //! function with upstream's argv, exit code and signal behaviour.
 
-use crate::engine::runtime::options::{self, Options};
-use crate::engine::memory::growth;
-use crate::engine::runtime::{self, preflight};
 use crate::engine::hooks;
+use crate::engine::memory::growth;
+use crate::engine::runtime::options::{self, Options};
+use crate::engine::runtime::{self, preflight};
 use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
@@ -47,7 +47,7 @@ pub(crate) extern "C" fn finish_runtime() {
 
 /// Finishes the runtime; false if the budget was not honoured (see `Runtime::finish`).
 fn finish_runtime_checked() -> bool {
-    runtime::get().is_none_or(|rt| rt.finish(true))
+    runtime::get().map_or(true, |rt| rt.finish(true))
 }
 
 /// The models named by `-m`/`--model` (or `LLAMA_ARG_MODEL`); llama-bench

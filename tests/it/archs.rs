@@ -23,12 +23,8 @@ fn corpus() -> Vec<PathBuf> {
         let o = run(Command::new(bin("test-llama-archs")).arg("-o").arg(&dir), 600);
         assert!(o.status.success(), "test-llama-archs -o: {}", stderr(&o));
     });
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.file_name().unwrap().to_string_lossy().ends_with("-moe.gguf"))
-        .collect();
+    let mut files: Vec<PathBuf> =
+        std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.file_name().unwrap().to_string_lossy().ends_with("-moe.gguf")).collect();
     files.sort();
     files
 }
@@ -74,10 +70,7 @@ fn check(model: &std::path::Path) -> Result<bool, String> {
     }
     if !paged {
         // Nothing is paged, so nothing keeps the process inside 1 MiB.
-        let o = run(
-            Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap(), "-p", prompt, "-n", "4", "-c", "256", "--ram-budget", "1M"]),
-            300,
-        );
+        let o = run(Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap(), "-p", prompt, "-n", "4", "-c", "256", "--ram-budget", "1M"]), 300);
         let err = stderr(&o);
         if o.status.code() != Some(1) || !err.contains("was not honoured") {
             return Err(format!("{arch}: nothing paged, and --ram-budget 1M exited {:?} without the error:\n{err}", o.status.code()));
@@ -93,7 +86,13 @@ fn every_moe_architecture_of_the_pinned_tree_answers_as_stock_under_a_budget() {
     assert!(files.len() >= 50, "test-llama-archs wrote only {} MoE files", files.len());
     let results: Vec<Result<bool, String>> = files.iter().map(|m| check(m)).collect();
     let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
-    assert!(failures.is_empty(), "{} of {} architectures failed:\n{}", failures.len(), files.len(), failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n"));
+    assert!(
+        failures.is_empty(),
+        "{} of {} architectures failed:\n{}",
+        failures.len(),
+        files.len(),
+        failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n")
+    );
     let unpaged: Vec<String> = files.iter().zip(&results).filter(|(_, r)| r == &&Ok(false)).map(|(f, _)| arch_of(f)).collect();
     // These graphs are dense (refact, and ernie4_5's and paddleocr's text
     // models): they never use the expert tensors the writer gives them.

@@ -36,8 +36,8 @@ fn broken_model_files(model: &Path, arch: &str) {
     absurd.extend(3u32.to_le_bytes());
     absurd.extend((1u64 << 60).to_le_bytes()); // tensors
     absurd.extend((1u64 << 60).to_le_bytes()); // key-value pairs
-    // The same file with another value for a u32 key (the key's string, its
-    // type tag, then the value).
+                                               // The same file with another value for a u32 key (the key's string, its
+                                               // type tag, then the value).
     let with_u32 = |key: &str, value: u32| {
         let at = tiny_bytes.windows(key.len()).position(|w| w == key.as_bytes()).expect("key in the model") + key.len();
         assert_eq!(tiny_bytes[at..at + 4], 4u32.to_le_bytes(), "{key} is a u32");
@@ -46,9 +46,18 @@ fn broken_model_files(model: &Path, arch: &str) {
         b
     };
     let cases: Vec<(PathBuf, String)> = vec![
-        (write(&format!("{arch}-bad-top-k-0.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 0)), "expert_used_count is 0: it must be between 1 and".to_string()),
-        (write(&format!("{arch}-bad-top-k-huge.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 1 << 30)), "expert_used_count is 1073741824".to_string()),
-        (write(&format!("{arch}-bad-expert-count.gguf"), &with_u32(&format!("{arch}.expert_count"), 1 << 30)), format!("experts, but {arch}.expert_count is 1073741824")),
+        (
+            write(&format!("{arch}-bad-top-k-0.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 0)),
+            "expert_used_count is 0: it must be between 1 and".to_string(),
+        ),
+        (
+            write(&format!("{arch}-bad-top-k-huge.gguf"), &with_u32(&format!("{arch}.expert_used_count"), 1 << 30)),
+            "expert_used_count is 1073741824".to_string(),
+        ),
+        (
+            write(&format!("{arch}-bad-expert-count.gguf"), &with_u32(&format!("{arch}.expert_count"), 1 << 30)),
+            format!("experts, but {arch}.expert_count is 1073741824"),
+        ),
         (write(&format!("{arch}-bad-truncated-header.gguf"), &tiny_bytes[..100_000]), "not a valid GGUF file".to_string()),
         (write(&format!("{arch}-bad-truncated-data.gguf"), &tiny_bytes[..tiny_bytes.len() - 100_000]), "past the end of the file".to_string()),
         (write(&format!("{arch}-bad-magic.gguf"), &bad_magic), "not a GGUF file (starts with \"GGUX\"".to_string()),

@@ -112,7 +112,9 @@ fn chat_streaming_tokenize_slots_lora_and_embeddings_answer_as_stock() {
     let (server, port) = start_server_env(&[&args[..], &["--ram-budget", "1G"]].concat(), &[("SDQ_PRELOAD", "0")]);
     let paged = embed(port);
     assert!(stop(server).success());
-    let vectors = |v: &Value| -> Vec<Vec<f64>> { v["data"].as_array().unwrap().iter().map(|d| d["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()).collect() };
+    let vectors = |v: &Value| -> Vec<Vec<f64>> {
+        v["data"].as_array().unwrap().iter().map(|d| d["embedding"].as_array().unwrap().iter().map(|x| x.as_f64().unwrap()).collect()).collect()
+    };
     let (s, p) = (vectors(&stock), vectors(&paged));
     assert!(s.len() == 2 && s[0].len() > 100, "{stock}");
     assert_eq!(p, s, "embeddings unlike stock");

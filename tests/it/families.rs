@@ -116,14 +116,22 @@ family_tests! {
 #[test]
 fn each_family_has_its_own_keys_and_tensors() {
     let expect: &[(&str, &[&str], &[&str])] = &[
-        ("gpt-oss", &["gpt-oss.attention.sliding_window"], &["blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.ffn_gate_inp.bias"]),
+        (
+            "gpt-oss",
+            &["gpt-oss.attention.sliding_window"],
+            &["blk.0.attn_sinks.weight", "blk.0.ffn_gate_exps.bias", "blk.0.ffn_down_exps.bias", "blk.0.ffn_gate_inp.bias"],
+        ),
         (
             "deepseek2",
             &["deepseek2.attention.kv_lora_rank", "deepseek2.expert_group_count", "deepseek2.leading_dense_block_count", "deepseek2.expert_shared_count"],
             &["blk.0.ffn_gate.weight", "blk.1.exp_probs_b.bias", "blk.1.attn_k_b.weight", "blk.1.ffn_down_shexp.weight"],
         ),
         ("glm4moe", &["glm4moe.nextn_predict_layers"], &["blk.4.nextn.eh_proj.weight", "blk.4.ffn_down_exps.weight", "blk.1.attn_q.bias"]),
-        ("gemma4", &["gemma4.attention.sliding_window_pattern"], &["blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.scale", "blk.0.ffn_gate_inp.scale", "rope_freqs.weight"]),
+        (
+            "gemma4",
+            &["gemma4.attention.sliding_window_pattern"],
+            &["blk.0.ffn_gate_up_exps.weight", "blk.0.ffn_down_exps.scale", "blk.0.ffn_gate_inp.scale", "rope_freqs.weight"],
+        ),
         ("qwen3next", &["qwen3next.ssm.inner_size"], &["blk.0.ssm_ba.weight", "blk.3.attn_q_norm.weight"]),
         ("llama", &["llama.expert_count"], &["blk.0.ffn_norm.weight", "blk.0.ffn_gate_exps.weight"]),
     ];

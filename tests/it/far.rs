@@ -85,7 +85,8 @@ fn gpt_oss_120b_at_full_width_answers_as_stock() {
 fn inspect_predicts_the_live_run(model: &Path, tag: &str) {
     let base = ["-p", "The history of the city began with a small harbour", "-n", "40", "-t", "2", "-c", "512"];
     let trace = scratch().join(format!("{tag}-own.csv"));
-    let probe = eval(model, &format!("{tag}-trace"), &[&base[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-trace", trace.to_str().unwrap()]].concat());
+    let probe =
+        eval(model, &format!("{tag}-trace"), &[&base[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-trace", trace.to_str().unwrap()]].concat());
     let stats = probe.stats.unwrap();
     let classes = stats["slot_classes"].as_array().unwrap();
     let cycle: u64 = classes.iter().map(|c| u(c, "layers") * u(c, "expert_bytes")).sum::<u64>() * u(&stats, "top_k");
@@ -108,7 +109,12 @@ fn inspect_predicts_the_live_run(model: &Path, tag: &str) {
         let r: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
         let p = &r["budget"]["prediction"];
         assert_eq!(p["kind"], "replay", "{what}: the model's own trace is replayed, not projected: {p}");
-        let live = crate::pager::eval_env(model, &format!("{tag}-predicted-{cycles}-{prefetch}"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat(), &[("SDQ_PREFETCH", prefetch)]);
+        let live = crate::pager::eval_env(
+            model,
+            &format!("{tag}-predicted-{cycles}-{prefetch}"),
+            &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat(),
+            &[("SDQ_PREFETCH", prefetch)],
+        );
         let live = live.stats.unwrap();
         let live_slots: Vec<u64> = live["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
         let planned: Vec<u64> = r["budget"]["slots"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
@@ -118,7 +124,10 @@ fn inspect_predicts_the_live_run(model: &Path, tag: &str) {
         let (held, mib) = (p["decode_held_rate"].as_f64().unwrap(), p["decode_mib_read_per_token"].as_f64().unwrap());
         let (live_held, live_mib) = (d["held_rate"].as_f64().unwrap(), d["mib_read_per_token"].as_f64().unwrap());
         eprintln!("{what}: predicted {held:.3} held, {mib:.1} MiB/token; live {live_held:.3}, {live_mib:.1}");
-        assert!(close(held, live_held) && close(mib, live_mib), "{what}: predicted {held:.3} held and {mib:.1} MiB/token, live {live_held:.3} and {live_mib:.1}");
+        assert!(
+            close(held, live_held) && close(mib, live_mib),
+            "{what}: predicted {held:.3} held and {mib:.1} MiB/token, live {live_held:.3} and {live_mib:.1}"
+        );
         assert!(live_mib > 0.0, "{what}: an arena of {cycles} cycles must read: {d}");
     }
 }

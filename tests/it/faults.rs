@@ -12,7 +12,6 @@ use std::time::{Duration, Instant};
 
 const PROMPT: &str = "The quick brown fox";
 
-
 fn args(model: &Path, n: u32) -> Vec<String> {
     let mut a = completion_args(model, PROMPT, n);
     a.push("--no-repack".into());
@@ -161,12 +160,8 @@ fn a_model_file_changed_while_running() {
         // started (the load, which must not see the change, is over).
         let stats = scratch().join(format!("stats-{how}.json"));
         let _ = std::fs::remove_file(&stats);
-        let mut child = paged(&model, n, &budget, "delay=20")
-            .args(["--sdq-stats", stats.to_str().unwrap()])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
+        let mut child =
+            paged(&model, n, &budget, "delay=20").args(["--sdq-stats", stats.to_str().unwrap()]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         wait_for_stats(&stats, &mut child, 120);
         std::thread::sleep(Duration::from_millis(1500));
         assert!(child.try_wait().unwrap().is_none(), "{how}: the run ended before the file changed");
@@ -198,12 +193,8 @@ fn ctrl_c_during_a_read_exits_promptly_and_the_stats_file_is_json() {
     let stats = scratch().join("stats-sigint.json");
     let _ = std::fs::remove_file(&stats);
     // 300 ms per read: the process is inside a read most of the time.
-    let mut child = paged(tiny(), 256, "1G", "delay=300")
-        .args(["--sdq-stats", stats.to_str().unwrap()])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child =
+        paged(tiny(), 256, "1G", "delay=300").args(["--sdq-stats", stats.to_str().unwrap()]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     wait_for_stats(&stats, &mut child, 60);
     std::thread::sleep(Duration::from_millis(500));
     // SAFETY: signalling our own child by its pid.

@@ -45,8 +45,7 @@ fn tiny_has_the_qwen35moe_layout() {
         assert_eq!(ts.iter().any(|t| t.name == format!("blk.{il}.attn_q.weight")), !recurrent, "layer {il} attn");
     }
     // Layers 0, 3, 6, 7 have Q6_K down projections: two expert sizes.
-    let sizes: std::collections::BTreeSet<u64> =
-        (0..8).map(|il| tensor(&ts, &format!("blk.{il}.ffn_down_exps.weight")).size / 16).collect();
+    let sizes: std::collections::BTreeSet<u64> = (0..8).map(|il| tensor(&ts, &format!("blk.{il}.ffn_down_exps.weight")).size / 16).collect();
     assert_eq!(sizes.len(), 2, "expert down sizes {sizes:?}");
     // Tensors lie inside the file, aligned, without overlap.
     let len = std::fs::metadata(tiny()).unwrap().len();
@@ -176,7 +175,9 @@ fn a_disk_too_small_for_the_model_is_refused_before_writing() {
 fn a_model_written_in_parts_runs_as_the_whole_file() {
     let whole = TempModel::generate("parts-whole.gguf", &["--preset", "tiny", "--layers", "4", "--seed", "5"]);
     let o = run(
-        Command::new(bin("sdq")).args(["gen-model", "--preset", "tiny", "--layers", "4", "--seed", "5", "--split-max-size", "20M", "-o"]).arg(scratch().join("parts.gguf")),
+        Command::new(bin("sdq"))
+            .args(["gen-model", "--preset", "tiny", "--layers", "4", "--seed", "5", "--split-max-size", "20M", "-o"])
+            .arg(scratch().join("parts.gguf")),
         120,
     );
     assert!(o.status.success(), "{}", stderr(&o));

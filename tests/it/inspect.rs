@@ -105,7 +105,12 @@ fn inspect_matches_live_runs_of_each_family() {
         let planned = inspect(&near_min);
         assert!(planned["budget"].get("error").is_none(), "{family}: inspect says a budget that runs cannot: {}", planned["budget"]);
         let min_budget = u(&planned["budget"], "min_budget_bytes");
-        assert!(min_budget.abs_diff(held + 16 * MIB + min_arena) <= 12 * MIB, "{family}: smallest budget {} MiB, the run's {} MiB", min_budget / MIB, (held + 16 * MIB + min_arena) / MIB);
+        assert!(
+            min_budget.abs_diff(held + 16 * MIB + min_arena) <= 12 * MIB,
+            "{family}: smallest budget {} MiB, the run's {} MiB",
+            min_budget / MIB,
+            (held + 16 * MIB + min_arena) / MIB
+        );
     }
 }
 

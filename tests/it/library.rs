@@ -43,14 +43,21 @@ fn the_libraries_carry_upstreams_names() {
         ("libggml-cpu.so", "libggml-cpu.so.0.25.3"),
     ] {
         let resolved = std::fs::canonicalize(lib.join(name)).unwrap();
-        assert!(lib.join(real).exists() && std::fs::read_link(lib.join(name)).unwrap() == Path::new(&name.replace(".so", ".so.0")), "{name} -> {}", resolved.display());
+        assert!(
+            lib.join(real).exists() && std::fs::read_link(lib.join(name)).unwrap() == Path::new(&name.replace(".so", ".so.0")),
+            "{name} -> {}",
+            resolved.display()
+        );
         let o = run(Command::new("readelf").args(["-d"]).arg(lib.join(name)), 30);
         let text = stdout(&o);
         let soname = name.replace(".so", ".so.0");
         assert!(text.contains(&format!("Library soname: [{soname}]")), "{name}: {text}");
         if name != "libllama.so" {
             let needed: Vec<&str> = text.lines().filter(|l| l.contains("(NEEDED)")).collect();
-            assert!(needed.iter().any(|l| l.contains("[libllama.so.0]")) && !needed.iter().any(|l| l.contains("libggml")) && text.contains("$ORIGIN"), "{text}");
+            assert!(
+                needed.iter().any(|l| l.contains("[libllama.so.0]")) && !needed.iter().any(|l| l.contains("libggml")) && text.contains("$ORIGIN"),
+                "{text}"
+            );
         }
     }
     // The C API of llama.h is exported; sdq's own symbols are not.
@@ -274,14 +281,20 @@ fn errors_inside_a_c_program_are_the_programs() {
     // Room for the reserve and not one layer's experts.
     let small = (held_after_load(&probe) + (16 << 20)).to_string();
     let (code, err) = greedy(model, &[("SDQ_RAM_BUDGET", &small), ("SDQ_RESERVE_MB", "16")]);
-    assert!(code == Some(1) && err.contains("is too small") && err.contains("the minimum budget is") && err.contains("error: llama_decode returned 2"), "{code:?}: {err}");
+    assert!(
+        code == Some(1) && err.contains("is too small") && err.contains("the minimum budget is") && err.contains("error: llama_decode returned 2"),
+        "{code:?}: {err}"
+    );
 
     let fault = scratch().join("library-errors-fault");
     std::fs::write(&fault, "").unwrap();
     let spec = format!("eio-while={}", fault.display());
     let (code, err) = greedy(model, &[("SDQ_RAM_BUDGET", "1G"), ("SDQ_FAULT_READ", &spec), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")]);
     std::fs::remove_file(&fault).unwrap();
-    assert!(code == Some(1) && err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()) && err.contains("error: llama_decode returned 2"), "{code:?}: {err}");
+    assert!(
+        code == Some(1) && err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()) && err.contains("error: llama_decode returned 2"),
+        "{code:?}: {err}"
+    );
     // The program's log callback gets sdq's line at error level too.
     assert!(err.lines().any(|l| l.starts_with("log(4): sdq: error: ") && l.ends_with("the batch is abandoned")), "{err}");
 
@@ -368,7 +381,10 @@ except RuntimeError as e:
     print("RuntimeError " + str(e))
 "#;
     let o = run(
-        Command::new(&python).args(["-c", script, model.to_str().unwrap()]).env("LLAMA_CPP_LIB_PATH", lib_dir()).envs([("SDQ_RAM_BUDGET", "64M"), ("SDQ_RESERVE_MB", "16")]),
+        Command::new(&python)
+            .args(["-c", script, model.to_str().unwrap()])
+            .env("LLAMA_CPP_LIB_PATH", lib_dir())
+            .envs([("SDQ_RAM_BUDGET", "64M"), ("SDQ_RESERVE_MB", "16")]),
         300,
     );
     let (out, err) = (stdout(&o), stderr(&o));

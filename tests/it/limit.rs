@@ -46,10 +46,9 @@ fn auto_budget_takes_the_cgroup_limit() {
     let _ = std::fs::remove_file(&stats);
     let model = tiny().to_str().unwrap();
     let sdq = bin("sdq");
-    let Some((code, r)) = limited(
-        "1536M",
-        &[sdq.to_str().unwrap(), "eval", "-m", model, "-n", "4", "--ram-budget", "auto", "--sdq-stats", stats.to_str().unwrap()],
-    ) else {
+    let Some((code, r)) =
+        limited("1536M", &[sdq.to_str().unwrap(), "eval", "-m", model, "-n", "4", "--ram-budget", "auto", "--sdq-stats", stats.to_str().unwrap()])
+    else {
         return;
     };
     assert_eq!(code, Some(0), "{r}");
@@ -61,10 +60,7 @@ fn auto_budget_takes_the_cgroup_limit() {
 fn a_terminated_runner_still_removes_its_cgroup() {
     let report = scratch().join("limit-term.json");
     let _ = std::fs::remove_file(&report);
-    let mut runner = Command::new(bin("sdq"))
-        .args(["limit", "--memory", "256M", "--report", report.to_str().unwrap(), "--", "sleep", "30"])
-        .spawn()
-        .unwrap();
+    let mut runner = Command::new(bin("sdq")).args(["limit", "--memory", "256M", "--report", report.to_str().unwrap(), "--", "sleep", "30"]).spawn().unwrap();
     // The runner has started the command (its cgroup made) once it has a child.
     let children = format!("/proc/{0}/task/{0}/children", runner.id());
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

@@ -1,9 +1,9 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
 mod archs;
+mod badinput;
 mod browser;
 mod endpoints;
-mod badinput;
 mod families;
 mod far;
 mod faults;
@@ -12,12 +12,11 @@ mod inspect;
 mod library;
 mod limit;
 mod load;
-mod pages;
 mod pager;
+mod pages;
 mod replay;
 mod server;
 mod split;
 mod tools;
 mod util;
 mod vision;
-

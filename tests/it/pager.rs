@@ -19,7 +19,6 @@ pub(crate) struct Eval {
     pub stats: Option<Value>,
 }
 
-
 pub(crate) fn eval(model: &Path, tag: &str, args: &[&str]) -> Eval {
     eval_env(model, tag, args, &[])
 }
@@ -163,8 +162,19 @@ fn stock_defaults_and_no_repack_differ_on_the_test_model() {
 fn the_fast_q4_k_conversion_gives_ggmls_bytes() {
     let stats = scratch().join("fast-conversion-stats.json");
     let out = run(
-        Command::new(bin("sdq"))
-            .args(["eval", "-m", tiny().to_str().unwrap(), "-n", "8", "--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+        Command::new(bin("sdq")).args([
+            "eval",
+            "-m",
+            tiny().to_str().unwrap(),
+            "-n",
+            "8",
+            "--ram-budget",
+            "2G",
+            "--sdq-reserve",
+            "16M",
+            "--sdq-stats",
+            stats.to_str().unwrap(),
+        ]),
         300,
     );
     assert!(out.status.success(), "{}", stderr(&out));
@@ -288,7 +298,12 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     assert!(budget * 10 < size * 6, "budget {budget} not well below the model's {size} bytes");
     let stock = eval(model, "wide-stock", &["-n", "32", "--no-repack", "--ubatch", "1"]);
     // Prefetching on whatever the arena holds, so that its reads are counted too.
-    let paged = eval_env(model, "wide-paged", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "1")]);
+    let paged = eval_env(
+        model,
+        "wide-paged",
+        &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"],
+        &[("SDQ_PREFETCH", "1")],
+    );
     assert_eq!(paged.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&paged.logits, &stock.logits), 0.0);
     let s = paged.stats.clone().unwrap();
@@ -316,21 +331,36 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
         eprintln!("NOTE: this file system refused O_DIRECT; only buffered reads were tested");
         assert_eq!(padding, 0, "{s}");
     }
-    let buffered = eval_env(model, "wide-paged-buffered", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_DIRECT_IO", "0")]);
+    let buffered = eval_env(
+        model,
+        "wide-paged-buffered",
+        &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"],
+        &[("SDQ_DIRECT_IO", "0")],
+    );
     assert_eq!(buffered.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&buffered.logits, &stock.logits), 0.0);
     let b = buffered.stats.unwrap();
     assert!(b["direct_io"] == false && u(&b, "device_bytes_read") == u(&b, "bytes_read"), "{b}");
     // SDQ_POPULATE=1 faults the whole arena in first: the same answer, and
     // anonymous memory holds the arena before any expert fills it.
-    let populated = eval_env(model, "wide-paged-populated", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_POPULATE", "1")]);
+    let populated = eval_env(
+        model,
+        "wide-paged-populated",
+        &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"],
+        &[("SDQ_POPULATE", "1")],
+    );
     assert_eq!(populated.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&populated.logits, &stock.logits), 0.0);
     let p = populated.stats.unwrap();
     assert!(u(&p, "peak_rss_anon_bytes") >= u(&p, "rss_anon_after_load_bytes") + u(&p, "arena_bytes") * 9 / 10, "arena not populated: {p}");
     assert!(sanitized() || u(&p, "peak_rss_anon_bytes") <= budget, "populated arena over budget: {p}");
     // With prefetch off: the same tokens and logits, and no read ahead.
-    let off = eval_env(model, "wide-paged-no-prefetch", &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"], &[("SDQ_PREFETCH", "0")]);
+    let off = eval_env(
+        model,
+        "wide-paged-no-prefetch",
+        &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(budget >> 20), "--sdq-reserve", "32M"],
+        &[("SDQ_PREFETCH", "0")],
+    );
     assert_eq!(off.json["tokens"], stock.json["tokens"]);
     assert_eq!(max_abs_diff(&off.logits, &stock.logits), 0.0);
     let s = off.stats.unwrap();
@@ -339,7 +369,8 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     // tightest slot class's slots over its layers' top-k): on at this
     // budget's 2.7, off 10 MiB below it.
     for (tag, mib, on) in [("default-prefetch", budget >> 20, true), ("default-no-prefetch", (budget >> 20) - 10, false)] {
-        let run = eval(model, &format!("wide-paged-{tag}"), &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(mib), "--sdq-reserve", "32M"]);
+        let run =
+            eval(model, &format!("wide-paged-{tag}"), &["-n", "32", "--no-repack", "--ubatch", "1", "--ram-budget", &budget_mib(mib), "--sdq-reserve", "32M"]);
         assert_eq!(run.json["tokens"], stock.json["tokens"]);
         assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0);
         let d = run.stats.unwrap();
@@ -384,7 +415,6 @@ fn resident_expert_pages(model: &Path) -> (usize, usize) {
         let end = (t.offset + t.size) as usize / page;
         total += end.saturating_sub(first);
         resident += vec[first..end.max(first)].iter().filter(|&&b| b & 1 == 1).count();
-
     }
     (resident, total)
 }
@@ -520,7 +550,8 @@ fn server_with_a_budget_answers_concurrent_requests_like_stock() {
         let budget = budget_mib(200);
         let _ = std::fs::remove_file(&stats);
         let (paged, s) = {
-            let (_server, port) = start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
+            let (_server, port) =
+                start_server_env(&[&common[..], &["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[PLAIN]);
             let answers = ask(port);
             // The server is killed at the end of this block, without its exit
             // handlers: the stats come from its snapshot, written each second.
@@ -618,7 +649,8 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     // Near-flat routing over 256 experts: each ubatch touches most of them.
     // Experts of 1,024 rows, so that what a ubatch reads outweighs the
     // compute buffers a larger one needs (the logits of a 151k vocabulary).
-    let model = gen_model("hint-flat.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--router-skew", "0", "--seed", "3"]);
+    let model =
+        gen_model("hint-flat.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--router-skew", "0", "--seed", "3"]);
     // About 1,000 tokens of made-up words, so that the prompt is not a few tokens repeated.
     let mut x = 7u64;
     let words: Vec<String> = (0..400)
@@ -660,7 +692,8 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     assert_eq!(hints.len(), 1, "one hint line: {err}");
     let hint = hints[0];
     assert!(hint.contains("ubatches of 128") && hint.contains("fit the budget"), "{hint}");
-    let ub: u64 = hint.split("-ub ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no -ub in: {hint}"));
+    let ub: u64 =
+        hint.split("-ub ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap_or_else(|| panic!("no -ub in: {hint}"));
     assert!(ub > 128, "{hint}");
     let before = stats.unwrap();
     let (tokens, logits, after, _) = run_eval(&ub.to_string(), Some(&budget), "hinted");
@@ -695,6 +728,11 @@ fn prefetch_stops_where_its_predictions_miss() {
     let precision = u(&f, "prefetch_used") as f64 / u(&f, "prefetched").max(1) as f64;
     assert!(u(&f, "prefetched") > 512 && precision < 0.85, "forced: {precision:.2} of {} prefetched used", u(&f, "prefetched"));
     // The gate judges a window of 256, then probes one layer in 8.
-    assert!(u(&g, "prefetched") > 0 && u(&g, "prefetched") * 2 < u(&f, "prefetched"), "default prefetched {} against forced {}", u(&g, "prefetched"), u(&f, "prefetched"));
+    assert!(
+        u(&g, "prefetched") > 0 && u(&g, "prefetched") * 2 < u(&f, "prefetched"),
+        "default prefetched {} against forced {}",
+        u(&g, "prefetched"),
+        u(&f, "prefetched")
+    );
     assert!(u(&g, "bytes_read") < u(&f, "bytes_read"), "default read {} against forced {}", u(&g, "bytes_read"), u(&f, "bytes_read"));
 }

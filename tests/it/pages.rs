@@ -121,7 +121,10 @@ fn explicit_hugetlb_pages_hold_the_arena_and_count_in_the_budget() {
 fn populating_ahead_stays_within_its_window_of_the_filled_slots() {
     // One slot class (every expert q8_0), 835 MiB of experts: an arena that
     // holds them all, of which a short run fills a few hundred MiB at most.
-    let model = TempModel::generate("ahead.gguf", &["--preset", "tiny", "--layers", "4", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--expert-type", "q8_0", "--seed", "5"]);
+    let model = TempModel::generate(
+        "ahead.gguf",
+        &["--preset", "tiny", "--layers", "4", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--expert-type", "q8_0", "--seed", "5"],
+    );
     let run_with = |populate: &str| {
         let stats = scratch().join(format!("pages-populate-{populate}.json"));
         let o = run(

@@ -51,7 +51,9 @@ fn replay_reproduces_the_live_hit_rate() {
     let probe = live("probe", "2G", 2, "freq", &[]);
     let cycle = u(&replay(&probe.trace, &["--cycles", "1"]), "token_cycle_bytes");
     let after_load = held_after_load(&probe.stats);
-    for (policy, threads, cycles) in [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("freq-auto", 2, 1.0)] {
+    for (policy, threads, cycles) in
+        [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("freq-auto", 2, 1.0)]
+    {
         // An arena of about `cycles` token cycles; 4 MiB of slack for the
         // anonymous memory after load, which varies a little between runs.
         let budget = (after_load + 16 * MIB + (cycles * cycle as f64) as u64 + 4 * MIB + if sanitized() { 128 * MIB } else { 0 }).to_string();
@@ -67,7 +69,14 @@ fn replay_reproduces_the_live_hit_rate() {
         let live_slots: Vec<u64> = s["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "slots")).collect();
         assert_eq!(slots, live_slots, "{tag}: the replay plans the live arena");
         let t = tally(r, policy);
-        eprintln!("{tag}: live {} hits {} misses, replay {} / {}, Bélády {}", u(s, "hits"), u(s, "misses"), u(t, "hits"), u(t, "misses"), u(&r["belady"], "hits"));
+        eprintln!(
+            "{tag}: live {} hits {} misses, replay {} / {}, Bélády {}",
+            u(s, "hits"),
+            u(s, "misses"),
+            u(t, "hits"),
+            u(t, "misses"),
+            u(&r["belady"], "hits")
+        );
         assert_eq!(u(t, "hits") + u(t, "misses"), u(s, "hits") + u(s, "misses"), "{tag}: lookups");
         // One compute thread takes a batch's experts in one order; two may
         // give an expert left without a slot a different victim.
@@ -116,7 +125,8 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     let o = run(Command::new(bin("sdq")).args(["eval", "-m", tiny().to_str().unwrap(), "-n", "2", "--sdq-trace", "/tmp/x.csv"]), 60);
     assert!(o.status.code() == Some(1) && stderr(&o).contains("--sdq-trace needs --ram-budget"), "{}", stderr(&o));
     // An unwritable trace fails before the model loads, naming the file.
-    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-trace", "/nonexistent/t.csv"]), 60);
+    let o =
+        run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-trace", "/nonexistent/t.csv"]), 60);
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains("cannot create trace file /nonexistent/t.csv"), "{}", stderr(&o));
     // Unknown policies list the known ones.
@@ -210,15 +220,39 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
     // file and line, and is left as it was.
     let bad = "# sdq hot set\n# layer=0 bytes=127488 experts=256\nlayer,expert,count,held\n0,300,1,1\n";
     std::fs::write(&hot, bad).unwrap();
-    let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-hotset", hot.to_str().unwrap()]), 60);
+    let o = run(
+        Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args([
+            "--ram-budget",
+            &budget,
+            "--sdq-reserve",
+            "16M",
+            "--sdq-hotset",
+            hot.to_str().unwrap(),
+        ]),
+        60,
+    );
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains(&format!("{}:4: expert '300' of layer 0 is not below its 256 experts", hot.display())), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&hot).unwrap(), bad);
     // A hot set of another model is refused, naming what differs.
     std::fs::write(&hot, text.replacen("bytes=127488", "bytes=127489", 1)).unwrap();
-    let o = run(Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-hotset", hot.to_str().unwrap()]), 60);
+    let o = run(
+        Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args([
+            "--ram-budget",
+            &budget,
+            "--sdq-reserve",
+            "16M",
+            "--sdq-hotset",
+            hot.to_str().unwrap(),
+        ]),
+        60,
+    );
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("was saved for another model: layer 0 has 256 experts of 127489 bytes there and 256 of 127488 bytes in this model"), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("was saved for another model: layer 0 has 256 experts of 127489 bytes there and 256 of 127488 bytes in this model"),
+        "{}",
+        stderr(&o)
+    );
 }
 
 /// The routing of a trained model (tests/fixtures/README.md): the only one
@@ -247,7 +281,10 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     let list = cycles.map(|c| c.to_string()).join(",");
     let first = scratch().join("trained-first-half.trace.csv");
     let text = std::fs::read_to_string(&trace).unwrap();
-    let kept: Vec<&str> = text.lines().filter(|l| !l.starts_with(|c: char| c.is_ascii_digit()) || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= 64)).collect();
+    let kept: Vec<&str> = text
+        .lines()
+        .filter(|l| !l.starts_with(|c: char| c.is_ascii_digit()) || l.split(',').next().and_then(|s| s.parse::<u64>().ok()).is_some_and(|s| s <= 64))
+        .collect();
     std::fs::write(&first, kept.join("\n") + "\n").unwrap();
     let mut judged_shares = Vec::new();
     for (part, path, judged) in [("whole", &trace, "0"), ("first half", &first, "0"), ("second half", &trace, "65")] {
@@ -277,7 +314,13 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
 #[test]
 fn inspect_projects_a_trained_trace_onto_another_geometry() {
     let trace = trained_trace();
-    let o = run(Command::new(bin("sdq")).args(["inspect", "--json", "-c", "1024", "--ram-budget", "1G", "--sdq-reserve", "16M", "--read-rate", "800", "--trace"]).arg(&trace).arg(wide()), 60);
+    let o = run(
+        Command::new(bin("sdq"))
+            .args(["inspect", "--json", "-c", "1024", "--ram-budget", "1G", "--sdq-reserve", "16M", "--read-rate", "800", "--trace"])
+            .arg(&trace)
+            .arg(wide()),
+        60,
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     let r: Value = serde_json::from_str(&stdout(&o)).unwrap();
     let (b, p) = (&r["budget"], &r["budget"]["prediction"]);
@@ -340,9 +383,12 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
             );
             let trace = scratch().join(format!("{tag}.csv"));
             let o = run(
-                Command::new(bin("sdq"))
-                    .args(["eval", "-m", model.to_str().unwrap(), "-p", prompt, "-n", "128", "-c", "1024"])
-                    .args(["--ram-budget", "4G", "--sdq-trace", trace.to_str().unwrap()]),
+                Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap(), "-p", prompt, "-n", "128", "-c", "1024"]).args([
+                    "--ram-budget",
+                    "4G",
+                    "--sdq-trace",
+                    trace.to_str().unwrap(),
+                ]),
                 300,
             );
             assert!(o.status.success(), "sdq eval {tag}: {}", stderr(&o));
@@ -351,6 +397,11 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
             eprintln!("{arch}, {routing} routing: LRU and Bélády {c:.1?} (trained {trained:.1?}): largest difference {d:.1} points");
             distance.push(d);
         }
-        assert!(distance[1] <= 8.0 && distance[1] < distance[0], "{arch}: trained routing is {:.1} points from the trained trace, skewed {:.1}", distance[1], distance[0]);
+        assert!(
+            distance[1] <= 8.0 && distance[1] < distance[0],
+            "{arch}: trained routing is {:.1} points from the trained trace, skewed {:.1}",
+            distance[1],
+            distance[0]
+        );
     }
 }

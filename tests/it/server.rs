@@ -34,56 +34,21 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
     // Left alone: sdq sets both from the 128 MiB reserve, and the server says
     // it uses them (-lv 4 prints its trace lines).
     let log = scratch().join("server-growth.log");
-    let (server, port) = start_server_logged(
-        &["-m", model, "-lv", "4", "--ram-budget", "1G"],
-        &[],
-        Some(&log),
-    );
-    let (status, _) = http(
-        port,
-        "POST",
-        "/completion",
-        Some(r#"{"prompt":"Hello there","n_predict":4}"#),
-    )
-    .unwrap();
+    let (server, port) = start_server_logged(&["-m", model, "-lv", "4", "--ram-budget", "1G"], &[], Some(&log));
+    let (status, _) = http(port, "POST", "/completion", Some(r#"{"prompt":"Hello there","n_predict":4}"#)).unwrap();
     assert_eq!(status, 200);
     stop(server);
     let text = std::fs::read_to_string(&log).unwrap();
-    assert!(
-        text.contains("sdq: notice: under the budget, --cache-ram 64 and --ctx-checkpoints"),
-        "{text}"
-    );
-    assert!(
-        text.contains("prompt cache is enabled, size limit: 64 MiB"),
-        "{text}"
-    );
-    let n: u64 = text
-        .split("--ctx-checkpoints ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .and_then(|n| n.parse().ok())
-        .unwrap();
-    assert!(
-        text.contains(&format!("context checkpoints enabled, max = {n},")),
-        "{text}"
-    );
+    assert!(text.contains("sdq: notice: under the budget, --cache-ram 64 and --ctx-checkpoints"), "{text}");
+    assert!(text.contains("prompt cache is enabled, size limit: 64 MiB"), "{text}");
+    let n: u64 = text.split("--ctx-checkpoints ").nth(1).and_then(|r| r.split_whitespace().next()).and_then(|n| n.parse().ok()).unwrap();
+    assert!(text.contains(&format!("context checkpoints enabled, max = {n},")), "{text}");
 
     // Asked for: the reserve (3 GiB / 16 = 192 MiB) grows to hold it with a
     // quarter of itself to spare, and the stats say so.
     let stats = scratch().join("server-growth.json");
     let (server, _) = start_server_logged(
-        &[
-            "-m",
-            model,
-            "--ram-budget",
-            "3G",
-            "--cache-ram",
-            "2048",
-            "-ctxcp",
-            "0",
-            "--sdq-stats",
-            stats.to_str().unwrap(),
-        ],
+        &["-m", model, "--ram-budget", "3G", "--cache-ram", "2048", "-ctxcp", "0", "--sdq-stats", stats.to_str().unwrap()],
         &[],
         Some(&log),
     );
@@ -97,28 +62,20 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
     // one checkpoint per slot stays (with none the server splits prompts
     // otherwise, and answers unlike stock's defaults): with a reserve too
     // small for either, the reserve grows and says so.
-    let (server, _) = start_server_logged(&["-m", model, "-lv", "4", "--ram-budget", "1G", "--sdq-reserve", "2M", "--spec-type", "ngram-simple"], &[], Some(&log));
+    let (server, _) =
+        start_server_logged(&["-m", model, "-lv", "4", "--ram-budget", "1G", "--sdq-reserve", "2M", "--spec-type", "ngram-simple"], &[], Some(&log));
     stop(server);
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("--ctx-checkpoints 1 (420.0 KiB each, 4 slots)") && text.contains("and the recurrent state drafting keeps"), "{text}");
     assert!(text.contains("context checkpoints enabled, max = 1,"), "{text}");
 
     // No limit cannot be held to a budget.
-    for (flags, env) in [
-        (&["--cache-ram", "-1"][..], None),
-        (&[][..], Some(("LLAMA_ARG_CACHE_RAM", "-1"))),
-    ] {
+    for (flags, env) in [(&["--cache-ram", "-1"][..], None), (&[][..], Some(("LLAMA_ARG_CACHE_RAM", "-1")))] {
         let mut c = Command::new(bin("llama-server"));
-        c.args(["-m", model, "--port", "1", "--ram-budget", "1G"])
-            .args(flags)
-            .envs(env);
+        c.args(["-m", model, "--port", "1", "--ram-budget", "1G"]).args(flags).envs(env);
         let o = run(&mut c, 60);
         assert_eq!(o.status.code(), Some(1), "{flags:?} {env:?}");
-        assert!(
-            stderr(&o).contains("--cache-ram -1 (no limit) cannot be held to --ram-budget"),
-            "{}",
-            stderr(&o)
-        );
+        assert!(stderr(&o).contains("--cache-ram -1 (no limit) cannot be held to --ram-budget"), "{}", stderr(&o));
     }
 }
 
@@ -141,8 +98,12 @@ fn failed_reads_in_concurrent_batches_fail_those_requests_only() {
     let rounds = |port: u16| -> Vec<(u16, String)> { (0..8).map(|r| http(port, "POST", "/completion", Some(&body(r))).expect("the server answers")).collect() };
     let contents = |b: &str| -> Vec<String> {
         let v: serde_json::Value = serde_json::from_str(b).unwrap_or_else(|e| panic!("{e}: {b}"));
-        let mut answers: Vec<(u64, String)> =
-            v.as_array().unwrap_or_else(|| panic!("not four answers: {b}")).iter().map(|a| (a["index"].as_u64().unwrap(), a["content"].as_str().unwrap().to_string())).collect();
+        let mut answers: Vec<(u64, String)> = v
+            .as_array()
+            .unwrap_or_else(|| panic!("not four answers: {b}"))
+            .iter()
+            .map(|a| (a["index"].as_u64().unwrap(), a["content"].as_str().unwrap().to_string()))
+            .collect();
         answers.sort();
         answers.into_iter().map(|(_, c)| c).collect()
     };
@@ -182,7 +143,8 @@ fn a_failed_read_fails_its_batch_and_the_server_goes_on() {
     let model = tiny().to_str().unwrap();
     let requests: Vec<String> =
         (0..12).map(|i| format!(r#"{{"prompt":"Request {i} asks about rivers and {i} mountains","n_predict":16,"top_k":1}}"#)).collect();
-    let answers = |port: u16| -> Vec<(u16, String)> { requests.iter().map(|b| http(port, "POST", "/completion", Some(b)).expect("the server answers")).collect() };
+    let answers =
+        |port: u16| -> Vec<(u16, String)> { requests.iter().map(|b| http(port, "POST", "/completion", Some(b)).expect("the server answers")).collect() };
     let (stock_server, port) = start_server(&["-m", model, "--no-warmup"]);
     let stock = answers(port);
     drop(stock_server);
@@ -238,7 +200,8 @@ fn greedy(port: u16, prompt: &str, n: u32) -> String {
 fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() {
     // 1.8 GiB of routed experts (4 layers of 256 experts top-8, 1.9 MB
     // each), so that a 2 GiB limit gives an arena of more than a GiB.
-    let model_file = TempModel::generate("wide-experts.gguf", &["--layers", "4", "--n-embd", "1024", "--experts", "256", "--top-k", "8", "--expert-ff", "1024"]);
+    let model_file =
+        TempModel::generate("wide-experts.gguf", &["--layers", "4", "--n-embd", "1024", "--experts", "256", "--top-k", "8", "--expert-ff", "1024"]);
     let model = model_file.to_str().unwrap();
     let common = ["-m", model, "-c", "1024", "-np", "1", "-t", "2", "--no-warmup"];
     let words = ["river", "lamp", "harbour", "apple", "letter", "stone", "garden", "bridge", "winter", "engine"];
@@ -271,7 +234,9 @@ fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() 
         answers.extend(client.join().unwrap());
         r
     });
-    let figures = |what: &str, r: &Value| eprintln!("{what}: cgroup anonymous memory {} -> {} bytes, limit set after {:.2} s", r["anon_before_bytes"], r["anon_after_bytes"], r["seconds"]);
+    let figures = |what: &str, r: &Value| {
+        eprintln!("{what}: cgroup anonymous memory {} -> {} bytes, limit set after {:.2} s", r["anon_before_bytes"], r["anon_after_bytes"], r["seconds"])
+    };
     figures("2 GiB -> 1 GiB", &lowered);
     assert!(lowered["anon_after_bytes"].as_u64().unwrap() + (16 << 20) <= 1 << 30, "{lowered}");
     let s = stats_when(&stats, 10, "arena down by 1 GiB", |s| u(s, "arena_shrinks") >= 1);
@@ -435,7 +400,8 @@ fn drafting_under_a_budget_answers_as_stock() {
     let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
     assert!(stop(server).success());
     assert_eq!(paged, stock, "-md with a dense draft model: answered unlike stock");
-    let (drafted, accepted) = (llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total"), llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total"));
+    let (drafted, accepted) =
+        (llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total"), llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total"));
     assert!(drafted > 0.0 && accepted > 0.0, "-md: {drafted} drafted, {accepted} accepted");
     let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 1 << 30, "{s}");
@@ -475,8 +441,10 @@ fn a_draft_model_with_experts_is_paged_beside_the_target() {
     let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
     let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, cycle * 3 / 2);
     let stats = scratch().join("server-moe-draft-stats.json");
-    let (server, port) =
-        start_server_env(&[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[("SDQ_PRELOAD", "0")]);
+    let (server, port) = start_server_env(
+        &[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
+        &[("SDQ_PRELOAD", "0")],
+    );
     let paged = answer(port);
     assert!(stop(server).success());
     assert_eq!(paged, stock, "-md with a draft model with experts: answered or drafted unlike stock (answers, drafted, accepted)");
@@ -500,12 +468,29 @@ fn a_draft_model_with_experts_is_paged_beside_the_target() {
     let inspect: Value = serde_json::from_str(&stdout(&o)).unwrap();
     assert_eq!(u(&inspect, "routed_expert_bytes"), u(&s, "expert_bytes_total"), "inspect --model-draft counts other experts than the run pages: {inspect}");
     assert_eq!(u(&inspect["draft"], "first_layer"), first_draft_layer, "{inspect}");
-    eprintln!("-md with experts: {} drafted, {} accepted, identical to stock; arena {} of {} expert bytes", paged.1, paged.2, u(&s, "arena_bytes"), u(&s, "expert_bytes_total"));
+    eprintln!(
+        "-md with experts: {} drafted, {} accepted, identical to stock; arena {} of {} expert bytes",
+        paged.1,
+        paged.2,
+        u(&s, "arena_bytes"),
+        u(&s, "expert_bytes_total")
+    );
 
     // Tracing records one model's routing: with such a draft, one clear error.
     let trace = scratch().join("moe-draft.trace");
     let o = run(
-        Command::new(bin("llama-server")).args(["-m", model, "-md", draft, "--port", &free_port().to_string(), "--ram-budget", "1G", "--sdq-trace", trace.to_str().unwrap()]),
+        Command::new(bin("llama-server")).args([
+            "-m",
+            model,
+            "-md",
+            draft,
+            "--port",
+            &free_port().to_string(),
+            "--ram-budget",
+            "1G",
+            "--sdq-trace",
+            trace.to_str().unwrap(),
+        ]),
         120,
     );
     let text = stderr(&o);
@@ -535,8 +520,10 @@ fn mtp_drafting_under_a_budget_answers_as_stock() {
     let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
     let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, 6 * crate::pager::MIB);
     let stats = scratch().join("server-mtp-stats.json");
-    let (server, port) =
-        start_server_env(&[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(), &[("SDQ_PRELOAD", "0")]);
+    let (server, port) = start_server_env(
+        &[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
+        &[("SDQ_PRELOAD", "0")],
+    );
     let paged = answer(port);
     let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
     assert!(stop(server).success());

@@ -18,10 +18,7 @@ fn split(model: &Path, prefix: &str, max_tensors: usize) -> Vec<PathBuf> {
             std::fs::remove_file(old.path()).unwrap();
         }
     }
-    let o = run(
-        Command::new(bin("llama-gguf-split")).args(["--split", "--split-max-tensors", &max_tensors.to_string()]).arg(model).arg(&out),
-        120,
-    );
+    let o = run(Command::new(bin("llama-gguf-split")).args(["--split", "--split-max-tensors", &max_tensors.to_string()]).arg(model).arg(&out), 120);
     assert!(o.status.success(), "llama-gguf-split: {}", stderr(&o));
     let n = Gguf::open(model).unwrap().tensors().len().div_ceil(max_tensors);
     (1..=n).map(|i| scratch().join(format!("{prefix}-{i:05}-of-{n:05}.gguf"))).collect()

@@ -18,10 +18,7 @@ fn completion_is_greedy_and_repeatable() {
 #[test]
 fn cli_answers_one_turn() {
     let model = tiny().to_str().unwrap();
-    let o = run(
-        Command::new(bin("llama-cli")).args(["-m", model, "-st", "-p", "Hello", "-n", "8", "--top-k", "1", "-t", "2", "-c", "512"]),
-        300,
-    );
+    let o = run(Command::new(bin("llama-cli")).args(["-m", model, "-st", "-p", "Hello", "-n", "8", "--top-k", "1", "-t", "2", "-c", "512"]), 300);
     assert!(o.status.success(), "llama-cli failed ({}):\n{}", o.status, stderr(&o));
 }
 
@@ -29,8 +26,7 @@ fn cli_answers_one_turn() {
 fn server_answers_completion_and_chat() {
     let model = tiny().to_str().unwrap();
     let (_server, port) = start_server(&["-m", model, "-c", "1024", "-t", "2", "--no-warmup"]);
-    let (status, body) =
-        http(port, "POST", "/completion", Some(r#"{"prompt":"Once upon a time","n_predict":8,"temperature":0}"#)).unwrap();
+    let (status, body) = http(port, "POST", "/completion", Some(r#"{"prompt":"Once upon a time","n_predict":8,"temperature":0}"#)).unwrap();
     assert_eq!(status, 200, "/completion: {body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert!(v["content"].as_str().is_some_and(|s| !s.is_empty()), "/completion: {body}");
@@ -61,10 +57,8 @@ fn perplexity_is_finite() {
                 for the boats that carry apples and letters down to the town by the sea. ";
     std::fs::write(&text, para.repeat(40)).unwrap();
     let model = tiny().to_str().unwrap();
-    let o = run(
-        Command::new(bin("llama-perplexity")).args(["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128"]),
-        300,
-    );
+    let o =
+        run(Command::new(bin("llama-perplexity")).args(["-m", model, "-f", text.to_str().unwrap(), "-c", "128", "--chunks", "4", "-t", "2", "-b", "128"]), 300);
     assert!(o.status.success(), "llama-perplexity failed:\n{}", stderr(&o));
     let all = stdout(&o) + &stderr(&o);
     let ppl: f64 = all
@@ -80,10 +74,7 @@ fn perplexity_is_finite() {
 fn quantize_output_runs() {
     let out = scratch().join("tiny-q8_0.gguf");
     let _ = std::fs::remove_file(&out);
-    let o = run(
-        Command::new(bin("llama-quantize")).args(["--allow-requantize"]).arg(tiny()).arg(&out).args(["Q8_0", "2"]),
-        300,
-    );
+    let o = run(Command::new(bin("llama-quantize")).args(["--allow-requantize"]).arg(tiny()).arg(&out).args(["Q8_0", "2"]), 300);
     assert!(o.status.success(), "llama-quantize failed:\n{}", stderr(&o));
     let c = run(Command::new(bin("llama-completion")).args(completion_args(&out, "Hello", 8)), 300);
     assert!(c.status.success(), "re-quantized model does not run:\n{}", stderr(&c));
@@ -123,8 +114,18 @@ fn sigpipe_kills_like_a_c_program() {
 #[test]
 fn tools_link_llama_statically() {
     for tool in [
-        "llama-cli", "llama-completion", "llama-server", "llama-bench", "llama-batched-bench", "llama-perplexity", "llama-quantize",
-        "llama-gguf-split", "llama-imatrix", "llama-tokenize", "llama-mtmd-cli", "sdq",
+        "llama-cli",
+        "llama-completion",
+        "llama-server",
+        "llama-bench",
+        "llama-batched-bench",
+        "llama-perplexity",
+        "llama-quantize",
+        "llama-gguf-split",
+        "llama-imatrix",
+        "llama-tokenize",
+        "llama-mtmd-cli",
+        "sdq",
     ] {
         let o = run(Command::new("ldd").arg(bin(tool)), 60);
         let libs = stdout(&o);
@@ -144,7 +145,10 @@ fn batched_bench_runs_under_a_budget() {
     let args = ["-m", model.to_str().unwrap(), "-c", "1024", "-b", "256", "-ub", "64", "-npp", "32", "-ntg", "8", "-npl", "1,4", "-t", "2"];
     let refs: Vec<&str> = args.to_vec();
     let budget = tight_budget("llama-batched-bench", &refs, &[], 0);
-    let o = run(Command::new(bin("llama-batched-bench")).args(args).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]), 300);
+    let o = run(
+        Command::new(bin("llama-batched-bench")).args(args).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+        300,
+    );
     assert!(o.status.success(), "{}", stderr(&o));
     // One table row per (prompt, generated, parallel) case: PP and TG speeds.
     let table = stdout(&o);
@@ -188,14 +192,24 @@ fn imatrix_under_a_budget_writes_stocks_file() {
         let budget = tight_budget("llama-imatrix", &refs, &[], 0);
         let stats = scratch().join(format!("imatrix-{family}-stats.json"));
         let paged = run(
-            Command::new(bin("llama-imatrix")).args(args(&out("paged"))).args(["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]),
+            Command::new(bin("llama-imatrix")).args(args(&out("paged"))).args([
+                "--ram-budget",
+                &budget,
+                "--sdq-reserve",
+                "16M",
+                "--sdq-stats",
+                stats.to_str().unwrap(),
+            ]),
             300,
         );
         assert!(paged.status.success(), "{}", stderr(&paged));
         let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
         assert!(u(&s, "misses") > 0, "{family}: {s}");
         let names: Vec<String> = sdq::engine::model::gguf::Gguf::open(&out("paged")).unwrap().tensors().into_iter().map(|t| t.name).collect();
-        assert!(names.iter().any(|n| n.contains("ffn_down_exps")) && names.iter().any(|n| n.contains("ffn_gate_exps")), "{family}: no expert statistics in {names:?}");
+        assert!(
+            names.iter().any(|n| n.contains("ffn_down_exps")) && names.iter().any(|n| n.contains("ffn_gate_exps")),
+            "{family}: no expert statistics in {names:?}"
+        );
         assert!(std::fs::read(out("paged")).unwrap() == std::fs::read(out("stock")).unwrap(), "{family}: the imatrix differs from stock's");
     }
 }

@@ -75,12 +75,7 @@ pub fn wide() -> &'static Path {
 
 /// Runs `cmd` with stdin from /dev/null, killing it after `timeout_s`.
 pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
-    let child = cmd
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
+    let child = cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap_or_else(|e| panic!("spawn {cmd:?}: {e}"));
     wait_with_timeout(child, timeout_s)
 }
 
@@ -111,13 +106,10 @@ pub fn stderr(o: &Output) -> String {
 
 /// Greedy, deterministic llama-completion arguments for `model`.
 pub fn completion_args(model: &Path, prompt: &str, n: u32) -> Vec<String> {
-    [
-        "-m", model.to_str().unwrap(), "-p", prompt, "-n", &n.to_string(), "--top-k", "1", "-no-cnv",
-        "-t", "2", "-c", "512", "--seed", "1", "--no-warmup",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    ["-m", model.to_str().unwrap(), "-p", prompt, "-n", &n.to_string(), "--top-k", "1", "-no-cnv", "-t", "2", "-c", "512", "--seed", "1", "--no-warmup"]
+        .iter()
+        .map(|s| s.to_string())
+        .collect()
 }
 
 /// A port free on 127.0.0.1 right now.
@@ -245,7 +237,10 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
     static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let stats = scratch().join(format!("probe-{}.json", PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed)));
     let o = run(
-        Command::new(bin(tool)).args(args).args(["--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()]).envs(env.iter().copied()),
+        Command::new(bin(tool))
+            .args(args)
+            .args(["--ram-budget", "2G", "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()])
+            .envs(env.iter().copied()),
         300,
     );
     assert!(o.status.success(), "probe {tool} {args:?}: {}", stderr(&o));
@@ -254,7 +249,6 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
     // 1 MiB more: anonymous RSS after load varies a little between runs.
     (held_after_load(&s) + 16 * (1 << 20) + min + (1 << 20) + extra).to_string()
 }
-
 
 /// Stock's plain CPU path: no repacked weights (`--no-repack`) and no tiled
 /// K-quant kernel, which stock (and the pager, bit for bit) takes per expert

@@ -12,10 +12,7 @@ pub(crate) fn vision_model() -> &'static (PathBuf, PathBuf) {
     static M: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     M.get_or_init(|| {
         let (model, mmproj) = (scratch().join("vision.gguf"), scratch().join("vision-mmproj.gguf"));
-        let o = run(
-            Command::new(bin("sdq")).args(["gen-model", "--layers", "4", "--seed", "5", "-o"]).arg(&model).arg("--mmproj").arg(&mmproj),
-            600,
-        );
+        let o = run(Command::new(bin("sdq")).args(["gen-model", "--layers", "4", "--seed", "5", "-o"]).arg(&model).arg("--mmproj").arg(&mmproj), 600);
         assert!(o.status.success(), "gen-model --mmproj: {}", stderr(&o));
         (model, mmproj)
     })
@@ -161,12 +158,23 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
     let (model, _) = vision_model();
     let other = scratch().join("vision-512-mmproj.gguf");
     let o = run(
-        Command::new(bin("sdq")).args(["gen-model", "--layers", "4", "--n-embd", "512", "-o"]).arg(scratch().join("vision-512.gguf")).arg("--mmproj").arg(&other),
+        Command::new(bin("sdq"))
+            .args(["gen-model", "--layers", "4", "--n-embd", "512", "-o"])
+            .arg(scratch().join("vision-512.gguf"))
+            .arg("--mmproj")
+            .arg(&other),
         600,
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let o = run(
-        Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(&other).arg("--image").arg(image()).args(["-p", "Hi", "-n", "2", "--ram-budget", "1G"]),
+        Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(&other).arg("--image").arg(image()).args([
+            "-p",
+            "Hi",
+            "-n",
+            "2",
+            "--ram-budget",
+            "1G",
+        ]),
         300,
     );
     let err = stderr(&o);
@@ -180,7 +188,14 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
     for (path, says) in [(scratch().join("vision-missing.png"), "Unable to open file"), (bad.clone(), "failed to decode buffer")] {
         let (model, mmproj) = vision_model();
         let o = run(
-            Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(mmproj).arg("--image").arg(&path).args(["-p", "Hi", "-n", "2", "--ram-budget", "1G"]),
+            Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(mmproj).arg("--image").arg(&path).args([
+                "-p",
+                "Hi",
+                "-n",
+                "2",
+                "--ram-budget",
+                "1G",
+            ]),
             300,
         );
         let err = stderr(&o);

@@ -236,7 +236,8 @@ impl<'a> TensorWriter<'a> {
         let row_bytes = t.ty.row_size(n0);
         // The first pools' names are kept as they were, so that models
         // generated before the small pools existed keep their bytes.
-        let key = if pool_rows == POOL_ROWS { format!("{}/{}/{:?}", t.ty.name(), n0, t.fill) } else { format!("{}/{}/{:?}/{pool_rows}", t.ty.name(), n0, t.fill) };
+        let key =
+            if pool_rows == POOL_ROWS { format!("{}/{}/{:?}", t.ty.name(), n0, t.fill) } else { format!("{}/{}/{:?}/{pool_rows}", t.ty.name(), n0, t.fill) };
         if !self.pools.contains_key(&key) {
             let pool_tensor = PlannedTensor { name: format!("sdq.pool.{key}"), ty: t.ty, ne: vec![n0, pool_rows], fill: t.fill.clone() };
             let mut pool = Vec::with_capacity(pool_tensor.nbytes() as usize);
@@ -269,13 +270,7 @@ impl<'a> TensorWriter<'a> {
 
 /// Generates and quantizes tensor `t` in chunks of whole rows on `threads`
 /// threads; each chunk's values depend only on (seed, chunk index).
-fn write_direct(
-    spec: &ModelSpec,
-    t: &PlannedTensor,
-    seed: u64,
-    threads: usize,
-    sink: &mut dyn FnMut(&[u8]) -> io::Result<()>,
-) -> io::Result<()> {
+fn write_direct(spec: &ModelSpec, t: &PlannedTensor, seed: u64, threads: usize, sink: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
     let n0 = t.ne[0];
     let rows: i64 = t.ne[1..].iter().product();
     let rows_per_chunk = (CHUNK_ELEMS / n0).max(1);
@@ -334,11 +329,12 @@ mod tests {
         let t = spec.plan().into_iter().find(|t| t.name == "blk.0.ffn_down_exps.weight").unwrap();
         let collect = |threads| {
             let mut out = Vec::new();
-            TensorWriter::new(&spec, threads).write(&t, &mut |b| {
-                out.extend_from_slice(b);
-                Ok(())
-            })
-            .unwrap();
+            TensorWriter::new(&spec, threads)
+                .write(&t, &mut |b| {
+                    out.extend_from_slice(b);
+                    Ok(())
+                })
+                .unwrap();
             out
         };
         let one = collect(1);

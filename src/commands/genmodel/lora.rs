@@ -7,9 +7,9 @@
 //! term. Random weights: it changes the model's answers, nothing more.
 
 use super::spec::{Fill, ModelSpec, PlannedTensor};
-use crate::error::{Error, Result};
-use crate::engine::model::gguf::{GgufBuilder, Value};
 use crate::engine::ffi::ggml::GgmlType;
+use crate::engine::model::gguf::{GgufBuilder, Value};
+use crate::error::{Error, Result};
 
 /// The adapter's rank unless given.
 pub const DEFAULT_RANK: i64 = 8;

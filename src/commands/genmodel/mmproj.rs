@@ -14,9 +14,9 @@
 //! fixed query count instead of the merger.
 
 use super::spec::{Fill, ModelSpec, PlannedTensor};
-use crate::error::{Error, Result};
-use crate::engine::model::gguf::{Array, GgufBuilder, Value};
 use crate::engine::ffi::ggml::GgmlType;
+use crate::engine::model::gguf::{Array, GgufBuilder, Value};
+use crate::error::{Error, Result};
 
 /// The vision tower's geometry.
 #[derive(Clone, Debug, PartialEq, Eq)]

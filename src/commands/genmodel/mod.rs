@@ -10,8 +10,8 @@ mod spec;
 pub use mmproj::{Projector, IMAGE_TOKENS};
 pub use spec::{Arch, Carrier, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, RotaryRows, Router, Shared, FAMILIES, PRESETS};
 
-use crate::error::{Error, Result};
 use crate::engine::model::gguf::{Array, Gguf, GgufBuilder, Value};
+use crate::error::{Error, Result};
 use std::fs::File;
 use std::io::{BufWriter, IsTerminal, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
@@ -145,7 +145,7 @@ fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], builder: GgufBuilder, op
 /// part wherever the next tensor's padded bytes would take the part's data
 /// past `max` (a tensor larger than `max` gets a part of its own).
 fn split_ranges(plan: &[PlannedTensor], max: Option<u64>) -> Vec<std::ops::Range<usize>> {
-    let Some(max) = max else { return vec![0..plan.len()] };
+    let Some(max) = max else { return std::iter::once(0..plan.len()).collect() };
     let mut ranges = Vec::new();
     let (mut first, mut size) = (0, 0u64);
     for (i, t) in plan.iter().enumerate() {
@@ -369,11 +369,7 @@ fn copy_tokenizer(spec: &ModelSpec, opts: &GenOptions, b: &mut GgufBuilder) -> R
         _ => return Err(Error::gguf(vocab_file, "has no tokenizer.ggml.tokens array")),
     };
     if spec.n_vocab < n_tokens {
-        return Err(Error::invalid(format!(
-            "vocabulary {} is smaller than the tokenizer's {n_tokens} tokens in {}",
-            spec.n_vocab,
-            vocab_file.display()
-        )));
+        return Err(Error::invalid(format!("vocabulary {} is smaller than the tokenizer's {n_tokens} tokens in {}", spec.n_vocab, vocab_file.display())));
     }
     let pad = spec.n_vocab - n_tokens;
     if opts.image_tokens && pad < IMAGE_TOKENS.len() {

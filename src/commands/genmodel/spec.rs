@@ -5,8 +5,8 @@
 //! family's tensors, keys and presets), one entry per architecture, and
 //! its tests; a new architecture is one more entry here.
 
-use crate::error::{Error, Result};
 use crate::engine::ffi::ggml::GgmlType;
+use crate::error::{Error, Result};
 
 /// Architectures the generator writes: one [`Family`] description each.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -254,15 +254,7 @@ pub const FAMILIES: &[Family] = &[
         rope_freq_base: 1_000_000.0,
         ..BASE
     },
-    Family {
-        arch: Arch::Llama,
-        name: "llama",
-        models: "Mixtral-8x7B, Mixtral-8x22B",
-        fused_allowed: false,
-        rope_neox: false,
-        experts: Some((8, 2)),
-        ..BASE
-    },
+    Family { arch: Arch::Llama, name: "llama", models: "Mixtral-8x7B, Mixtral-8x22B", fused_allowed: false, rope_neox: false, experts: Some((8, 2)), ..BASE },
 ];
 
 impl Arch {
@@ -899,7 +891,11 @@ impl ModelSpec {
             let more = if self.use_more_bits(il) { q6k } else { q4k };
             let mut attn_v_type = || {
                 attn_v_index += 1;
-                if self.use_more_bits(attn_v_index - 1) { q6k } else { q4k }
+                if self.use_more_bits(attn_v_index - 1) {
+                    q6k
+                } else {
+                    q4k
+                }
             };
             add(blk("attn_norm.weight"), f32t, vec![e], one.clone());
             let (hd, h, hkv) = (self.head_dim, self.n_head, self.n_head_kv);
@@ -986,7 +982,12 @@ impl ModelSpec {
                 continue;
             }
             let (x, ff) = (self.n_expert, self.n_ff_exp);
-            add(blk("ffn_gate_inp.weight"), f32t, vec![e, x], Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il, dims: route_dims });
+            add(
+                blk("ffn_gate_inp.weight"),
+                f32t,
+                vec![e, x],
+                Fill::Router { std: 1.0 / (e as f32).sqrt(), skew: self.router_skew, layer: il, dims: route_dims },
+            );
             match f.router {
                 Router::Softmax => {}
                 Router::SoftmaxBias => add(blk("ffn_gate_inp.bias"), f32t, vec![x], bias.clone()),

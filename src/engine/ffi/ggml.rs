@@ -69,9 +69,7 @@ pub fn quantize_rows(ty: GgmlType, src: &[f32], n_per_row: i64, dst: &mut [u8]) 
     // SAFETY: src holds nrows * n_per_row floats and dst at least the quantized
     // size of those rows (both checked above); no importance matrix is passed,
     // which ggml accepts for every type where can_quantize() holds.
-    unsafe {
-        sys::ggml_quantize_chunk(ty.0, src.as_ptr(), dst.as_mut_ptr().cast(), 0, nrows, n_per_row, std::ptr::null())
-    }
+    unsafe { sys::ggml_quantize_chunk(ty.0, src.as_ptr(), dst.as_mut_ptr().cast(), 0, nrows, n_per_row, std::ptr::null()) }
 }
 
 /// ggml's CPU kernels for multiplying rows of a weight type by activations:
@@ -171,7 +169,11 @@ impl WeightLayout {
     /// experts]) in the buffer type `stock_buft` its loader chose for it,
     /// and a notice where sdq cannot reproduce that layout and multiplies
     /// the file's instead.
-    pub fn of(weight: &sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> (WeightLayout, Option<String>) {
+    ///
+    /// # Safety
+    /// `stock_buft` must be a buffer type ggml made (llama.cpp's loader
+    /// passes the one it chose).
+    pub unsafe fn of(weight: &sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> (WeightLayout, Option<String>) {
         // SAFETY: a pointer comparison with ggml-cpu's static buffer types.
         let kind = unsafe { sys::sdq_buft_layout(stock_buft) };
         if kind == sys::SDQ_BUFT_CPU as i32 {
@@ -180,7 +182,10 @@ impl WeightLayout {
         if kind != sys::SDQ_BUFT_CPU_REPACK as i32 {
             // SAFETY: buffer types name themselves with a static string.
             let name = unsafe { CStr::from_ptr(sys::ggml_backend_buft_name(stock_buft)) }.to_string_lossy();
-            return (WeightLayout::Plain, Some(format!("stock would place the experts in buffer type {name}; sdq multiplies them with ggml-cpu's plain kernels")));
+            return (
+                WeightLayout::Plain,
+                Some(format!("stock would place the experts in buffer type {name}; sdq multiplies them with ggml-cpu's plain kernels")),
+            );
         }
         // SAFETY: weight is a valid tensor descriptor; only its type and
         // shape are read.
@@ -196,7 +201,12 @@ impl WeightLayout {
             }
             _ => (
                 WeightLayout::Plain,
-                Some(format!("ggml-cpu repacks {} experts of {}x{} in a layout sdq does not know; sdq multiplies them with the plain kernels", ty.name(), weight.ne[0], weight.ne[1])),
+                Some(format!(
+                    "ggml-cpu repacks {} experts of {}x{} in a layout sdq does not know; sdq multiplies them with the plain kernels",
+                    ty.name(),
+                    weight.ne[0],
+                    weight.ne[1]
+                )),
             ),
         }
     }

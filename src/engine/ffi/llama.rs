@@ -8,7 +8,10 @@ use std::sync::OnceLock;
 
 /// A log callback that shows only errors (sdq's own loads of a model's
 /// metadata would otherwise print llama.cpp's whole load log).
-pub extern "C" fn quiet_log(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
+///
+/// # Safety
+/// `text` must be a NUL-terminated string, as ggml passes it.
+pub unsafe extern "C" fn quiet_log(level: sys::ggml_log_level, text: *const c_char, _: *mut c_void) {
     if level >= sys::GGML_LOG_LEVEL_ERROR {
         // SAFETY: ggml passes a NUL-terminated message.
         eprint!("{}", unsafe { std::ffi::CStr::from_ptr(text) }.to_string_lossy());

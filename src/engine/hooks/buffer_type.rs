@@ -3,8 +3,8 @@
 //! strides are unchanged); loading writes nothing into it, and the expert
 //! matmul reads the real bytes from the pager instead.
 
-use crate::engine::runtime::fatal;
 use crate::engine::ffi::sys;
+use crate::engine::runtime::fatal;
 use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 

@@ -3,10 +3,10 @@
 //! trampoline runs inside `catch_unwind`, so nothing unwinds into C++.
 
 use crate::engine::ffi::ggml::{DotKernels, GgmlType, WeightLayout};
-use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
-use crate::engine::pager::layout::{Part, PagedTensor};
-use crate::engine::runtime::{self, fatal, guard};
 use crate::engine::ffi::{llama, sys};
+use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
+use crate::engine::pager::layout::{PagedTensor, Part};
+use crate::engine::runtime::{self, fatal, guard};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
@@ -137,7 +137,8 @@ extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft
         if Part::from_tensor_name(&name).is_none() {
             return false;
         }
-        let (layout, notice) = WeightLayout::of(meta, stock_buft);
+        // SAFETY: the loader passes the buffer type it chose, one of ggml's.
+        let (layout, notice) = unsafe { WeightLayout::of(meta, stock_buft) };
         rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| {
             runtime::fail_load(&e.to_string());
             false
@@ -151,20 +152,18 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
         let address = t as usize;
         // SAFETY: llama.cpp passes the tensor it just created.
         let (name, t) = unsafe { (tensor_name(t), &*t) };
-        let Some((layer, part)) = Part::from_tensor_name(&name) else {
-            fatal(&format!("tensor {name} was paged but is not a routed expert"))
-        };
+        let Some((layer, part)) = Part::from_tensor_name(&name) else { fatal(&format!("tensor {name} was paged but is not a routed expert")) };
         rt.on_paged_weight(
             PagedTensor {
-            name,
-            layer,
-            part,
-            ty: GgmlType(t.type_),
-            ne: t.ne,
-            nb: t.nb,
-            file: idx,
-            offset: offs,
-            layout: WeightLayout::Plain, // the runtime fills in what is_paged decided
+                name,
+                layer,
+                part,
+                ty: GgmlType(t.type_),
+                ne: t.ne,
+                nb: t.nb,
+                file: idx,
+                offset: offs,
+                layout: WeightLayout::Plain, // the runtime fills in what is_paged decided
             },
             address,
         );
@@ -230,9 +229,12 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
     })
 }
 
+/// The paged layer ops made so far, by layer and the layouts of its parts.
+type PagedExpertsOps = Mutex<HashMap<(u32, [WeightLayout; 3]), &'static PagedExperts>>;
+
 /// One `PagedExperts` per layer, kept for the process's lifetime.
 fn paged_experts(names: &[String; 3], layer: u32, kernels: [DotKernels; 3]) -> &'static PagedExperts {
-    static OPS: OnceLock<Mutex<HashMap<(u32, [WeightLayout; 3]), &'static PagedExperts>>> = OnceLock::new();
+    static OPS: OnceLock<PagedExpertsOps> = OnceLock::new();
     let layouts = names.clone().map(|n| runtime::get().map_or(WeightLayout::Plain, |rt| rt.weight_layout(&n)));
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
     ops.entry((layer, layouts)).or_insert_with(|| {
@@ -259,7 +261,15 @@ const ALL_THREADS: i32 = -1;
 /// `ctx` must be the context of the graph being built and `args` valid
 /// tensors of it; `fun` must accept `userdata`, which must live as long as
 /// the graph may be computed (sdq's op descriptions are leaked).
-unsafe fn custom_op(ctx: *mut sys::ggml_context, ty: sys::ggml_type, ne: [i64; 3], mut args: Vec<*mut sys::ggml_tensor>, fun: sys::ggml_custom_op_t, n_tasks: i32, userdata: *const c_void) -> *mut sys::ggml_tensor {
+unsafe fn custom_op(
+    ctx: *mut sys::ggml_context,
+    ty: sys::ggml_type,
+    ne: [i64; 3],
+    mut args: Vec<*mut sys::ggml_tensor>,
+    fun: sys::ggml_custom_op_t,
+    n_tasks: i32,
+    userdata: *const c_void,
+) -> *mut sys::ggml_tensor {
     // SAFETY: per this function's contract.
     unsafe { sys::ggml_custom_4d(ctx, ty, ne[0], ne[1], ne[2], 1, args.as_mut_ptr(), args.len() as i32, fun, n_tasks, userdata as *mut c_void) }
 }
@@ -313,9 +323,7 @@ extern "C" fn mul_mat_id(
     guard("mul_mat_id", || {
         // SAFETY: llama.cpp passes valid tensors of the graph being built.
         let (name, at, bt, it) = unsafe { (tensor_name(a), &*a, &*b, &*ids) };
-        let Some((name, layer, part)) = paged_name(a, &name) else {
-            fatal(&format!("paged matmul for {name}, which is not a routed expert"))
-        };
+        let Some((name, layer, part)) = paged_name(a, &name) else { fatal(&format!("paged matmul for {name}, which is not a routed expert")) };
         let shape_ok = bt.type_ == sys::GGML_TYPE_F32
             && it.type_ == sys::GGML_TYPE_I32
             && bt.ne[0] == at.ne[0]
@@ -324,12 +332,7 @@ extern "C" fn mul_mat_id(
             && bt.nb[0] == 4
             && bt.ne[3] == 1;
         if !shape_ok {
-            fatal(&format!(
-                "{name}: unsupported expert matmul shapes (b {:?} {}, ids {:?})",
-                bt.ne,
-                GgmlType(bt.type_).name(),
-                it.ne
-            ));
+            fatal(&format!("{name}: unsupported expert matmul shapes (b {:?} {}, ids {:?})", bt.ne, GgmlType(bt.type_).name(), it.ne));
         }
         let op = paged_matmul(&name, layer, part, GgmlType(at.type_));
         let mut args = vec![a, b, ids];
@@ -342,7 +345,17 @@ extern "C" fn mul_mat_id(
         }
         // SAFETY: ctx is the graph's context; args are 3 or 4 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [at.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_mul_mat_id), ALL_THREADS, (op as *const PagedMatmul).cast()) }
+        unsafe {
+            custom_op(
+                ctx,
+                sys::GGML_TYPE_F32,
+                [at.ne[1], it.ne[0], bt.ne[2]],
+                args,
+                Some(moe::paged_mul_mat_id),
+                ALL_THREADS,
+                (op as *const PagedMatmul).cast(),
+            )
+        }
     })
 }
 
@@ -384,7 +397,9 @@ extern "C" fn moe_routing(
         // SAFETY: ctx is the graph's context; ids and weights are valid
         // tensors of it; the callback and its leaked userdata live for the
         // whole process.
-        unsafe { custom_op(ctx, sys::GGML_TYPE_I32, [it.ne[0], it.ne[1], 1], vec![ids, weights], Some(moe::record_routing), 1, (op as *const RoutingRecord).cast()) }
+        unsafe {
+            custom_op(ctx, sys::GGML_TYPE_I32, [it.ne[0], it.ne[1], 1], vec![ids, weights], Some(moe::record_routing), 1, (op as *const RoutingRecord).cast())
+        }
     })
 }
 
@@ -415,9 +430,7 @@ extern "C" fn moe_experts(
         // SAFETY: llama.cpp passes valid tensors of the graph being built.
         let (gt, ut, dt, bt, it) = unsafe { (&*gate, &*up, &*down, &*b, &*ids) };
         // SAFETY: as above.
-        let (names, paged) = unsafe {
-            ([tensor_name(gate), tensor_name(up), tensor_name(down)], [gate, up].iter().all(|&t| sys::sdq_is_paged_tensor(t)))
-        };
+        let (names, paged) = unsafe { ([tensor_name(gate), tensor_name(up), tensor_name(down)], [gate, up].iter().all(|&t| sys::sdq_is_paged_tensor(t))) };
         let parts: Vec<_> = names.iter().zip([gate, up, down]).map(|(n, t)| paged_name(t, n)).collect();
         let (names, layer) = match &parts[..] {
             [Some((g, l, Part::Gate)), Some((u, lu, Part::Up)), Some((d, ld, Part::Down))] if l == lu && l == ld => ([g.clone(), u.clone(), d.clone()], *l),
@@ -452,6 +465,16 @@ extern "C" fn moe_experts(
         args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         // SAFETY: ctx is the graph's context; args are 5 or 6 valid tensors;
         // the callback and its leaked userdata live for the whole process.
-        unsafe { custom_op(ctx, sys::GGML_TYPE_F32, [dt.ne[1], it.ne[0], bt.ne[2]], args, Some(moe::paged_moe_experts), ALL_THREADS, (op as *const PagedExperts).cast()) }
+        unsafe {
+            custom_op(
+                ctx,
+                sys::GGML_TYPE_F32,
+                [dt.ne[1], it.ne[0], bt.ne[2]],
+                args,
+                Some(moe::paged_moe_experts),
+                ALL_THREADS,
+                (op as *const PagedExperts).cast(),
+            )
+        }
     })
 }

@@ -178,6 +178,30 @@ pub fn arena_bytes(budget: u64, reserve: u64, held: Held, rlimit: Option<u64>) -
     Ok(arena)
 }
 
+/// This process's page faults so far: (minor, major).
+pub fn page_faults() -> (u64, u64) {
+    // SAFETY: getrusage fills the struct we pass and reads nothing else.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return (0, 0);
+    }
+    (ru.ru_minflt.max(0) as u64, ru.ru_majflt.max(0) as u64)
+}
+
+/// CPU time the calling thread has used, in nanoseconds (0 where the clock
+/// is unavailable): what a piece of work cost, whatever else shared the cores.
+pub fn thread_cpu_ns() -> u64 {
+    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes one timespec, which t is.
+    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } == 0;
+    if ok {
+        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
+    } else {
+        0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -228,29 +252,5 @@ mod tests {
         assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, Some(3 * GIB)).unwrap(), 2 * GIB);
         let e = arena_bytes(2 * GIB, 512 * MIB, held, None).unwrap_err().to_string();
         assert!(e.contains("1.00 GiB") && e.contains("512.0 MiB"), "{e}");
-    }
-}
-
-/// This process's page faults so far: (minor, major).
-pub fn page_faults() -> (u64, u64) {
-    // SAFETY: getrusage fills the struct we pass and reads nothing else.
-    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
-        return (0, 0);
-    }
-    (ru.ru_minflt.max(0) as u64, ru.ru_majflt.max(0) as u64)
-}
-
-/// CPU time the calling thread has used, in nanoseconds (0 where the clock
-/// is unavailable): what a piece of work cost, whatever else shared the cores.
-pub fn thread_cpu_ns() -> u64 {
-    let mut t = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime writes one timespec, which t is.
-    let ok = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) } == 0;
-    if ok {
-        t.tv_sec as u64 * 1_000_000_000 + t.tv_nsec as u64
-    } else {
-        0
     }
 }

@@ -13,8 +13,8 @@
 //! budget and is an error.
 
 use crate::engine::memory::budget::{human, MIB};
-use crate::error::{Error, Result};
 use crate::engine::model::gguf::{Gguf, Value};
+use crate::error::{Error, Result};
 use std::collections::BTreeSet;
 
 /// Upstream's limit on checkpoints per slot (`common_params::n_ctx_checkpoints`).
@@ -37,12 +37,7 @@ pub struct ToolSettings {
     pub speculative: bool,
 }
 
-fn flag_value(
-    args: &[String],
-    names: &[&str],
-    env: &str,
-    getenv: &dyn Fn(&str) -> Option<String>,
-) -> Result<Option<i64>> {
+fn flag_value(args: &[String], names: &[&str], env: &str, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Option<i64>> {
     let mut found: Option<(String, String)> = None;
     let mut it = args.iter().skip(1);
     while let Some(a) = it.next() {
@@ -54,41 +49,20 @@ fn flag_value(
             }
         }
     }
-    let found = found.or_else(|| {
-        getenv(env)
-            .filter(|v| !v.is_empty())
-            .map(|v| (env.to_string(), v))
-    });
+    let found = found.or_else(|| getenv(env).filter(|v| !v.is_empty()).map(|v| (env.to_string(), v)));
     match found {
         None => Ok(None),
-        Some((name, v)) => v
-            .trim()
-            .parse::<i64>()
-            .map(Some)
-            .map_err(|_| Error::invalid(format!("{name}: '{v}' is not a whole number"))),
+        Some((name, v)) => v.trim().parse::<i64>().map(Some).map_err(|_| Error::invalid(format!("{name}: '{v}' is not a whole number"))),
     }
 }
 
 impl ToolSettings {
     /// Reads the settings as llama.cpp's argument parser would: the last
     /// command-line occurrence, else the `LLAMA_ARG_*` environment variable.
-    pub fn from_args_and_env(
-        args: &[String],
-        getenv: &dyn Fn(&str) -> Option<String>,
-    ) -> Result<ToolSettings> {
+    pub fn from_args_and_env(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> Result<ToolSettings> {
         Ok(ToolSettings {
-            cache_ram_mib: flag_value(
-                args,
-                &["-cram", "--cache-ram"],
-                "LLAMA_ARG_CACHE_RAM",
-                getenv,
-            )?,
-            checkpoints: flag_value(
-                args,
-                &["-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"],
-                "LLAMA_ARG_CTX_CHECKPOINTS",
-                getenv,
-            )?,
+            cache_ram_mib: flag_value(args, &["-cram", "--cache-ram"], "LLAMA_ARG_CACHE_RAM", getenv)?,
+            checkpoints: flag_value(args, &["-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"], "LLAMA_ARG_CTX_CHECKPOINTS", getenv)?,
             parallel: flag_value(args, &["-np", "--parallel"], "LLAMA_ARG_N_PARALLEL", getenv)?,
             speculative: speculative(args, getenv),
         })
@@ -130,17 +104,8 @@ pub fn checkpoint_bytes(g: &Gguf) -> u64 {
     let Some(Value::Str(arch)) = g.get("general.architecture") else {
         return 0;
     };
-    let key = |k: &str| {
-        g.get(&format!("{arch}.ssm.{k}"))
-            .and_then(|v| v.as_u64())
-            .unwrap_or(0)
-    };
-    let (d_conv, d_inner, n_group, d_state) = (
-        key("conv_kernel"),
-        key("inner_size"),
-        key("group_count"),
-        key("state_size"),
-    );
+    let key = |k: &str| g.get(&format!("{arch}.ssm.{k}")).and_then(|v| v.as_u64()).unwrap_or(0);
+    let (d_conv, d_inner, n_group, d_state) = (key("conv_kernel"), key("inner_size"), key("group_count"), key("state_size"));
     let tensors = g.tensors();
     let mut recurrent = BTreeSet::new();
     for t in &tensors {
@@ -152,13 +117,9 @@ pub fn checkpoint_bytes(g: &Gguf) -> u64 {
             }
         }
     }
-    let conv = d_conv.saturating_sub(1).saturating_mul(
-        d_inner.saturating_add(2u64.saturating_mul(n_group).saturating_mul(d_state)),
-    );
+    let conv = d_conv.saturating_sub(1).saturating_mul(d_inner.saturating_add(2u64.saturating_mul(n_group).saturating_mul(d_state)));
     let state = d_state.saturating_mul(d_inner);
-    (recurrent.len() as u64)
-        .saturating_mul(conv.saturating_add(state))
-        .saturating_mul(4)
+    (recurrent.len() as u64).saturating_mul(conv.saturating_add(state)).saturating_mul(4)
 }
 
 /// What sdq does about the tool's growth: environment to set for it, and the
@@ -209,27 +170,17 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
             // checkpoint), and the answers part from stock's defaults.
             let n = ((reserve / 4).saturating_sub(speculative) / (slots * checkpoint)).clamp(1, MAX_CHECKPOINTS);
             env.push(("LLAMA_ARG_CTX_CHECKPOINTS", n.to_string()));
-            chosen.push(format!(
-                "--ctx-checkpoints {n} ({} each, {slots} slots)",
-                human(checkpoint)
-            ));
+            chosen.push(format!("--ctx-checkpoints {n} ({} each, {slots} slots)", human(checkpoint)));
             n
         }
     };
     let bytes = cache + slots * checkpoints * checkpoint + speculative;
     // Three quarters of the reserve are for these; the last quarter stays free.
     let needed = bytes + reserve / 4;
-    let (reserve, raised) = if needed > reserve {
-        (needed, true)
-    } else {
-        (reserve, false)
-    };
+    let (reserve, raised) = if needed > reserve { (needed, true) } else { (reserve, false) };
     let mut notice = Vec::new();
     if !chosen.is_empty() {
-        notice.push(format!(
-            "under the budget, {} (set them to override)",
-            chosen.join(" and ")
-        ));
+        notice.push(format!("under the budget, {} (set them to override)", chosen.join(" and ")));
     }
     if raised {
         notice.push(format!(
@@ -239,12 +190,7 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
             human(bytes)
         ));
     }
-    Ok(GrowthPlan {
-        reserve,
-        env,
-        bytes,
-        notice: (!notice.is_empty()).then(|| notice.join("; ")),
-    })
+    Ok(GrowthPlan { reserve, env, bytes, notice: (!notice.is_empty()).then(|| notice.join("; ")) })
 }
 
 #[cfg(test)]
@@ -252,64 +198,18 @@ mod tests {
     use super::*;
 
     fn settings(args: &[&str], env: &[(&str, &str)]) -> Result<ToolSettings> {
-        let args: Vec<String> = std::iter::once("llama-server")
-            .chain(args.iter().copied())
-            .map(String::from)
-            .collect();
-        let env: Vec<(String, String)> = env
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        ToolSettings::from_args_and_env(&args, &move |k| {
-            env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone())
-        })
+        let args: Vec<String> = std::iter::once("llama-server").chain(args.iter().copied()).map(String::from).collect();
+        let env: Vec<(String, String)> = env.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        ToolSettings::from_args_and_env(&args, &move |k| env.iter().find(|(n, _)| n == k).map(|(_, v)| v.clone()))
     }
 
     #[test]
     fn reads_flags_like_upstream() {
-        let s = settings(
-            &[
-                "-cram",
-                "64",
-                "--parallel=2",
-                "--ctx-checkpoints",
-                "3",
-                "--cache-ram",
-                "100",
-            ],
-            &[],
-        )
-        .unwrap();
-        assert_eq!(
-            s,
-            ToolSettings {
-                cache_ram_mib: Some(100),
-                checkpoints: Some(3),
-                parallel: Some(2),
-                speculative: false
-            }
-        );
-        let s = settings(
-            &[],
-            &[
-                ("LLAMA_ARG_CACHE_RAM", "12"),
-                ("LLAMA_ARG_N_PARALLEL", "-1"),
-            ],
-        )
-        .unwrap();
-        assert_eq!(
-            s,
-            ToolSettings {
-                cache_ram_mib: Some(12),
-                checkpoints: None,
-                parallel: Some(-1),
-                speculative: false
-            }
-        );
-        assert!(settings(&["-cram", "lots"], &[])
-            .unwrap_err()
-            .to_string()
-            .contains("-cram: 'lots'"));
+        let s = settings(&["-cram", "64", "--parallel=2", "--ctx-checkpoints", "3", "--cache-ram", "100"], &[]).unwrap();
+        assert_eq!(s, ToolSettings { cache_ram_mib: Some(100), checkpoints: Some(3), parallel: Some(2), speculative: false });
+        let s = settings(&[], &[("LLAMA_ARG_CACHE_RAM", "12"), ("LLAMA_ARG_N_PARALLEL", "-1")]).unwrap();
+        assert_eq!(s, ToolSettings { cache_ram_mib: Some(12), checkpoints: None, parallel: Some(-1), speculative: false });
+        assert!(settings(&["-cram", "lots"], &[]).unwrap_err().to_string().contains("-cram: 'lots'"));
     }
 
     // The 35B-A3B's recurrent state: 30 layers of (3 × (4096 + 2·16·128)
@@ -321,32 +221,17 @@ mod tests {
         // 8 GiB: reserve 512 MiB, 4 slots of 65.9 MB fit no checkpoint in
         // 128 MiB; one each is kept, and the reserve grows to hold it.
         let p = plan(&ToolSettings::default(), 512 * MIB, REAL_CKPT).unwrap();
-        assert_eq!(
-            p.env,
-            vec![
-                ("LLAMA_ARG_CACHE_RAM", "256".to_string()),
-                ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string())
-            ]
-        );
+        assert_eq!(p.env, vec![("LLAMA_ARG_CACHE_RAM", "256".to_string()), ("LLAMA_ARG_CTX_CHECKPOINTS", "1".to_string())]);
         assert_eq!(p.bytes, 256 * MIB + 4 * REAL_CKPT);
         assert_eq!(p.reserve, p.bytes + 128 * MIB);
         assert!(p.notice.unwrap().contains("reserve is raised"));
         // 16 GiB, one slot: 1 GiB reserve, 256 MiB of checkpoints hold 4.
-        let one = ToolSettings {
-            parallel: Some(1),
-            ..Default::default()
-        };
+        let one = ToolSettings { parallel: Some(1), ..Default::default() };
         let p = plan(&one, 1024 * MIB, REAL_CKPT).unwrap();
         assert_eq!(p.env[1], ("LLAMA_ARG_CTX_CHECKPOINTS", "4".to_string()));
         assert!(p.bytes <= 3 * p.reserve / 4);
         // A model without recurrent layers leaves checkpoints alone.
-        assert_eq!(
-            plan(&ToolSettings::default(), 512 * MIB, 0)
-                .unwrap()
-                .env
-                .len(),
-            1
-        );
+        assert_eq!(plan(&ToolSettings::default(), 512 * MIB, 0).unwrap().env.len(), 1);
     }
 
     #[test]
@@ -391,34 +276,16 @@ mod tests {
 
     #[test]
     fn user_settings_raise_the_reserve_or_are_refused() {
-        let s = ToolSettings {
-            cache_ram_mib: Some(2048),
-            checkpoints: Some(2),
-            parallel: Some(4),
-            speculative: false,
-        };
+        let s = ToolSettings { cache_ram_mib: Some(2048), checkpoints: Some(2), parallel: Some(4), speculative: false };
         let p = plan(&s, 512 * MIB, REAL_CKPT).unwrap();
         assert!(p.env.is_empty());
         assert_eq!(p.bytes, 2048 * MIB + 8 * REAL_CKPT);
         assert_eq!(p.reserve, p.bytes + 128 * MIB);
         assert!(p.notice.unwrap().contains("reserve is raised"));
-        let small = ToolSettings {
-            cache_ram_mib: Some(16),
-            checkpoints: Some(0),
-            parallel: None,
-            speculative: false,
-        };
+        let small = ToolSettings { cache_ram_mib: Some(16), checkpoints: Some(0), parallel: None, speculative: false };
         let p = plan(&small, 512 * MIB, REAL_CKPT).unwrap();
         assert_eq!((p.reserve, p.notice), (512 * MIB, None));
-        let e = plan(
-            &ToolSettings {
-                cache_ram_mib: Some(-1),
-                ..Default::default()
-            },
-            512 * MIB,
-            0,
-        )
-        .unwrap_err();
+        let e = plan(&ToolSettings { cache_ram_mib: Some(-1), ..Default::default() }, 512 * MIB, 0).unwrap_err();
         assert!(e.to_string().contains("--cache-ram -1 (no limit)"), "{e}");
     }
 }

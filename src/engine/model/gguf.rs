@@ -2,9 +2,9 @@
 //! table, and building the metadata of a file whose tensor data the caller
 //! streams out itself.
 
-use crate::error::{Error, Result};
 use crate::engine::ffi::ggml::GgmlType;
 use crate::engine::ffi::sys;
+use crate::error::{Error, Result};
 use std::ffi::{c_char, CStr, CString};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
@@ -143,14 +143,12 @@ impl Gguf {
         if !meta.is_file() {
             return Err(Error::gguf(path, "not a regular file"));
         }
-        let cpath = CString::new(path.as_os_str().as_encoded_bytes())
-            .map_err(|_| Error::gguf(path, "path contains NUL"))?;
+        let cpath = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|_| Error::gguf(path, "path contains NUL"))?;
         let params = sys::gguf_init_params { no_alloc: true, ctx: std::ptr::null_mut() };
         // SAFETY: cpath is a valid C string; with no_alloc and a NULL ctx, ggml
         // reads only the metadata and owns nothing of ours.
         let ctx = unsafe { sys::gguf_init_from_file(cpath.as_ptr(), params) };
-        let ctx = NonNull::new(ctx)
-            .ok_or_else(|| Error::gguf(path, "not a valid GGUF file (ggml's reader rejected it)"))?;
+        let ctx = NonNull::new(ctx).ok_or_else(|| Error::gguf(path, "not a valid GGUF file (ggml's reader rejected it)"))?;
         Ok(Gguf { ctx, path: path.to_path_buf() })
     }
 
@@ -231,9 +229,7 @@ impl Gguf {
                         sys::GGUF_TYPE_FLOAT32 => arr!(F32, f32),
                         sys::GGUF_TYPE_FLOAT64 => arr!(F64, f64),
                         // BOOL is one byte per element in GGUF.
-                        sys::GGUF_TYPE_BOOL => {
-                            Array::Bool(std::slice::from_raw_parts(data.cast::<u8>(), n).iter().map(|&b| b != 0).collect())
-                        }
+                        sys::GGUF_TYPE_BOOL => Array::Bool(std::slice::from_raw_parts(data.cast::<u8>(), n).iter().map(|&b| b != 0).collect()),
                         other => unreachable!("ggml accepted a GGUF array of unknown element type {other}"),
                     })
                 }
@@ -293,11 +289,7 @@ impl GgufBuilder {
         // only reserves room for tensor structs (overhead per tensor).
         unsafe {
             let ctx = NonNull::new(sys::gguf_init_empty()).expect("gguf_init_empty");
-            let params = sys::ggml_init_params {
-                mem_size: (max_tensors + 1) * sys::ggml_tensor_overhead(),
-                mem_buffer: std::ptr::null_mut(),
-                no_alloc: true,
-            };
+            let params = sys::ggml_init_params { mem_size: (max_tensors + 1) * sys::ggml_tensor_overhead(), mem_buffer: std::ptr::null_mut(), no_alloc: true };
             let tensors = NonNull::new(sys::ggml_init(params)).expect("ggml_init");
             GgufBuilder { ctx, tensors, names: Vec::new() }
         }

@@ -31,10 +31,10 @@
 //! access here is raw, with each block's invariant stated.
 
 use crate::engine::ffi::ggml::{DotKernels, WeightLayout};
+use crate::engine::ffi::sys;
 use crate::engine::pager::layout::Part;
 use crate::engine::pager::{Count, Pager};
 use crate::engine::runtime::{self, fatal, guard};
-use crate::engine::ffi::sys;
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_void};
@@ -45,8 +45,8 @@ mod activations;
 mod routing;
 
 use activations::Activations;
-pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
 use routing::predictions;
+pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
 
 /// What one paged matmul needs, fixed when the graph is built (graphs are
 /// reused, so this lives as long as the process).
@@ -464,7 +464,17 @@ unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u
 /// `ids` must be this call's valid I32 routing tensor and `b` its F32 input
 /// [cols, ne11, n_tokens] with contiguous rows.
 #[allow(clippy::too_many_arguments)]
-unsafe fn join(key: usize, layer: u32, name: &str, starts_layer: bool, starts: impl FnOnce(), kernels: &DotKernels, ids: &sys::ggml_tensor, b: &sys::ggml_tensor, pager: &Pager) -> Arc<Batch> {
+unsafe fn join(
+    key: usize,
+    layer: u32,
+    name: &str,
+    starts_layer: bool,
+    starts: impl FnOnce(),
+    kernels: &DotKernels,
+    ids: &sys::ggml_tensor,
+    b: &sys::ggml_tensor,
+    pager: &Pager,
+) -> Arc<Batch> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.entry(key).or_insert_with(|| {
         // The step's clock starts before its first lookups are counted,

@@ -44,10 +44,7 @@ impl SlotClass {
         for &(expert_bytes, count) in classes {
             let slot_bytes = slot_bytes(expert_bytes);
             out.push(SlotClass { expert_bytes, slot_bytes, first, count, offset });
-            offset = slot_bytes
-                .checked_mul(count)
-                .and_then(|b| b.checked_add(offset))
-                .ok_or_else(|| io::Error::other("arena size overflows"))?;
+            offset = slot_bytes.checked_mul(count).and_then(|b| b.checked_add(offset)).ok_or_else(|| io::Error::other("arena size overflows"))?;
             first += count;
         }
         Ok((out, offset))
@@ -183,7 +180,8 @@ impl Arena {
                 Ok(arena) => Ok(arena),
                 Err(e) => {
                     let mut arena = Arena::with_pages(classes, PageChoice::Auto)?;
-                    let why = format!("the hugetlb pool cannot hold the arena's {} MiB ({e}; see vm.nr_hugepages)", huge_len(SlotClass::tile(classes)?.1) >> 20);
+                    let why =
+                        format!("the hugetlb pool cannot hold the arena's {} MiB ({e}; see vm.nr_hugepages)", huge_len(SlotClass::tile(classes)?.1) >> 20);
                     arena.fallback = Some(match arena.fallback.take() {
                         Some(more) => format!("{why}, and {more}"),
                         None => why,
@@ -233,14 +231,7 @@ impl Arena {
         let span = len + (align - SLOT_ALIGN);
         // SAFETY: a fresh private anonymous mapping; no existing memory is affected.
         let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                span,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
+            libc::mmap(std::ptr::null_mut(), span, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
         };
         if p == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());

@@ -272,9 +272,7 @@ impl ExpertReader {
                 None => file.read_at(&mut buf[d..], offset + d as u64),
             };
             match got {
-                Ok(0) => {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("file ended after {d} of {need} bytes at offset {offset}")))
-                }
+                Ok(0) => return Err(io::Error::new(io::ErrorKind::UnexpectedEof, format!("file ended after {d} of {need} bytes at offset {offset}"))),
                 Ok(k) => *done += k,
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => return Err(e),

@@ -11,9 +11,9 @@
 
 use super::arena::slot_bytes;
 use super::io::{FileStamp, DIRECT_ALIGN};
+use crate::engine::ffi::ggml::{GgmlType, WeightLayout};
 use crate::engine::memory::budget::human;
 use crate::error::{Error, Result};
-use crate::engine::ffi::ggml::{GgmlType, WeightLayout};
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::PathBuf;
@@ -194,10 +194,8 @@ impl Layout {
             let mut slot_offset = 0;
             for t in ts {
                 let path = files.get(&t.file).cloned().unwrap_or_default();
-                let (file, stamp, direct) = opened
-                    .get(&t.file)
-                    .cloned()
-                    .ok_or_else(|| Error::invalid(format!("tensor {}: no path for model file {}", t.name, t.file)))?;
+                let (file, stamp, direct) =
+                    opened.get(&t.file).cloned().ok_or_else(|| Error::invalid(format!("tensor {}: no path for model file {}", t.name, t.file)))?;
                 if t.ne[2] != n_expert || t.ne[3] != 1 {
                     return Err(Error::gguf(&path, format!("tensor {}: {} experts, layer has {n_expert}", t.name, t.ne[2])));
                 }
@@ -214,7 +212,8 @@ impl Layout {
                         return Err(Error::invalid(format!("tensor {}: {} experts are {} bytes, {bytes} in the file", t.name, r.name(), r.expert_bytes())));
                     }
                 }
-                let span = PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset, direct, layout: t.layout };
+                let span =
+                    PartSpan { part: t.part, ty: t.ty, file, path, stamp, offset: t.offset, bytes, row_bytes: t.nb[1], slot_offset, direct, layout: t.layout };
                 slot_offset += span.region();
                 parts.push(span);
             }
@@ -241,7 +240,9 @@ impl Layout {
         Layout::classified(
             layers
                 .into_iter()
-                .map(|(layer, n_expert, expert_bytes, slot_extent)| (layer, LayerLayout { layer, n_expert, parts: Vec::new(), expert_bytes, slot_extent, class: 0 }))
+                .map(|(layer, n_expert, expert_bytes, slot_extent)| {
+                    (layer, LayerLayout { layer, n_expert, parts: Vec::new(), expert_bytes, slot_extent, class: 0 })
+                })
                 .collect(),
         )
     }
@@ -276,12 +277,8 @@ impl Layout {
         // demand-weighted bytes per unit of scale
         let unit: u64 = self.class_bytes.iter().zip(&layers).map(|(&b, &l)| (l * top_k * slot(b)) as u64).sum();
         let scale = arena_bytes as f64 / unit as f64;
-        let mut counts: Vec<usize> = layers
-            .iter()
-            .map(|&l| ((l * top_k) as f64 * scale).floor() as usize)
-            .zip(&layers)
-            .map(|(c, &l)| c.clamp(top_k, l * n_expert))
-            .collect();
+        let mut counts: Vec<usize> =
+            layers.iter().map(|&l| ((l * top_k) as f64 * scale).floor() as usize).zip(&layers).map(|(c, &l)| c.clamp(top_k, l * n_expert)).collect();
         // Raising a class to its minimum may overshoot: shrink the others back.
         let bytes = |counts: &[usize]| -> u64 { counts.iter().zip(&self.class_bytes).map(|(&c, &b)| (c * slot(b)) as u64).sum() };
         while bytes(&counts) > arena_bytes {

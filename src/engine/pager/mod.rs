@@ -34,8 +34,8 @@ pub use counts::{LayerCounts, PagerCounts, PagerTotals};
 pub use policy_kind::PolicyKind;
 use readers::{Lane, Queue, WARM_READERS};
 
-use crate::error::{Error, Result};
 use crate::engine::ffi::ggml::WeightLayout;
+use crate::error::{Error, Result};
 pub use arena::PageChoice;
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
@@ -196,7 +196,6 @@ pub struct Pager {
     readers: Vec<std::thread::JoinHandle<()>>,
 }
 
-
 /// An expert's bytes, pinned in its slot until dropped.
 pub struct PinnedExpert<'a> {
     pager: &'a Pager,
@@ -226,7 +225,15 @@ impl Drop for PinnedExpert<'_> {
 impl Pager {
     /// A pager over `layout` with `slots[i]` slots for class i, reading
     /// with `readers` threads, its arena faulted in as `populate` says.
-    pub fn new(layout: Layout, slots: &[usize], reader: io::ExpertReader, readers: usize, populate: Populate, policy: PolicyKind, pages: PageChoice) -> Result<Pager> {
+    pub fn new(
+        layout: Layout,
+        slots: &[usize],
+        reader: io::ExpertReader,
+        readers: usize,
+        populate: Populate,
+        policy: PolicyKind,
+        pages: PageChoice,
+    ) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
         let arena = Arena::with_pages(&classes, pages)
@@ -339,12 +346,7 @@ impl Pager {
     }
 
     fn layer(&self, layer: u32, expert: u32) -> Result<&LayerLayout> {
-        let ll = self
-            .shared
-            .layout
-            .layers
-            .get(&layer)
-            .ok_or_else(|| Error::invalid(format!("layer {layer} has no paged experts")))?;
+        let ll = self.shared.layout.layers.get(&layer).ok_or_else(|| Error::invalid(format!("layer {layer} has no paged experts")))?;
         if expert >= ll.n_expert {
             return Err(Error::invalid(format!("expert {expert} of layer {layer} out of range ({} experts)", ll.n_expert)));
         }
@@ -477,7 +479,10 @@ impl Pager {
             // A slot a batch is still waiting to use goes last: evicting it
             // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
-            let victim = st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting).or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
+            let victim = st
+                .res
+                .victim(layer, class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting)
+                .or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
             match victim {
                 Some(victim) => {
                     if count == Count::Later {

@@ -374,7 +374,7 @@ mod tests {
     #[test]
     fn with_shares_a_layer_gives_up_its_own_until_under_its_share() {
         // Two layers share one class of 4 slots: a share of 2 each.
-        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: vec![0..4] };
+        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: std::iter::once(0..4).collect() };
         let mut f = Freq::with_shares(4, &plan);
         let use_in = |f: &mut Freq, slot: SlotId, key: ExpertKey, times: u32| {
             for _ in 0..times {

@@ -33,9 +33,10 @@ impl PolicyKind {
     /// The policy called `name`, or an error listing the names there are.
     pub fn parse(name: &str) -> Result<PolicyKind, String> {
         let name = name.trim();
-        PolicyKind::ALL.into_iter().find(|k| k.name().eq_ignore_ascii_case(name)).ok_or_else(|| {
-            format!("unknown policy '{name}' (one of: {})", PolicyKind::ALL.map(|k| k.name()).join(", "))
-        })
+        PolicyKind::ALL
+            .into_iter()
+            .find(|k| k.name().eq_ignore_ascii_case(name))
+            .ok_or_else(|| format!("unknown policy '{name}' (one of: {})", PolicyKind::ALL.map(|k| k.name()).join(", ")))
     }
 
     /// A fresh policy of this kind over the slots of `plan`.

@@ -179,7 +179,11 @@ impl Shared {
                 }
             }
         }
-        log::info!("arena of {} populated in the background in {:.1} s", crate::engine::memory::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
+        log::info!(
+            "arena of {} populated in the background in {:.1} s",
+            crate::engine::memory::budget::human(self.arena.len() as u64),
+            started.elapsed().as_secs_f64()
+        );
     }
 
     /// Moves the queued prefetch reads of `slot` ahead of every other read:
@@ -278,9 +282,8 @@ impl Shared {
         };
         // The stamp is checked after the read: bytes read from a file that
         // changed meanwhile are never published.
-        read.and_then(|()| span.stamp.check(&span.file)).map_err(|e| {
-            Error::io(format!("reading {:?} of expert {} of layer {} (offset {offset}) from", span.part, job.expert, ll.layer), &span.path, e)
-        })?;
+        read.and_then(|()| span.stamp.check(&span.file))
+            .map_err(|e| Error::io(format!("reading {:?} of expert {} of layer {} (offset {offset}) from", span.part, job.expert, ll.layer), &span.path, e))?;
         // Stock's loader converts this weight into a repacked layout: so does
         // the reader, before the expert is published.
         if let WeightLayout::Repacked(r) = span.layout {

@@ -15,9 +15,8 @@ impl Pager {
     pub fn preload(&self) -> usize {
         let sh = &*self.shared;
         let mut st = sh.lock();
-        let mut free: Vec<std::collections::VecDeque<SlotId>> = (0..sh.arena.classes().len())
-            .map(|c| st.usable(&sh.arena, c).filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect())
-            .collect();
+        let mut free: Vec<std::collections::VecDeque<SlotId>> =
+            (0..sh.arena.classes().len()).map(|c| st.usable(&sh.arena, c).filter(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0).collect()).collect();
         let mut jobs = Vec::new();
         let mut queued = 0;
         for ll in sh.layout.layers.values() {

@@ -14,9 +14,9 @@
 //! use count for (`count`, 0 for a policy that keeps none) or that was held
 //! (`held` 1) at exit.
 
-use crate::error::{Error, Result};
 use crate::engine::pager::ExpertKey;
 use crate::engine::routing::trace::{MAX_EXPERTS, MAX_LAYERS};
+use crate::error::{Error, Result};
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::path::Path;
@@ -70,7 +70,11 @@ impl HotSet {
                             let v = kv.get(k).ok_or_else(|| bad(n, format!("layer line without {k}=")))?;
                             v.parse::<u64>().ok().filter(|&x| x > 0 && x <= max).ok_or_else(|| bad(n, format!("{k} '{v}' is not a number from 1 to {max}")))
                         };
-                        let layer = v.parse::<u32>().ok().filter(|&l| l < MAX_LAYERS).ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number below {MAX_LAYERS}")))?;
+                        let layer = v
+                            .parse::<u32>()
+                            .ok()
+                            .filter(|&l| l < MAX_LAYERS)
+                            .ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number below {MAX_LAYERS}")))?;
                         let (bytes, experts) = (num("bytes", 1 << 40)?, num("experts", MAX_EXPERTS as u64)? as u32);
                         if set.layers.insert(layer, (bytes, experts)).is_some() {
                             return Err(bad(n, format!("layer {layer} is listed twice")));
@@ -94,10 +98,19 @@ impl HotSet {
             let [layer, expert, count, held] = f[..] else {
                 return Err(bad(n, format!("expected 4 fields ({HEADER}), found {}", f.len())));
             };
-            let layer: u32 = layer.parse().ok().filter(|l| set.layers.contains_key(l)).ok_or_else(|| bad(n, format!("layer '{layer}' has no '# layer=' line")))?;
+            let layer: u32 =
+                layer.parse().ok().filter(|l| set.layers.contains_key(l)).ok_or_else(|| bad(n, format!("layer '{layer}' has no '# layer=' line")))?;
             let limit = set.layers[&layer].1;
-            let expert: u32 = expert.parse().ok().filter(|&e| e < limit).ok_or_else(|| bad(n, format!("expert '{expert}' of layer {layer} is not below its {limit} experts")))?;
-            let count: f64 = count.parse().ok().filter(|c: &f64| c.is_finite() && *c >= 0.0 && *c < 1e12).ok_or_else(|| bad(n, format!("count '{count}' is not a finite number ≥ 0")))?;
+            let expert: u32 = expert
+                .parse()
+                .ok()
+                .filter(|&e| e < limit)
+                .ok_or_else(|| bad(n, format!("expert '{expert}' of layer {layer} is not below its {limit} experts")))?;
+            let count: f64 = count
+                .parse()
+                .ok()
+                .filter(|c: &f64| c.is_finite() && *c >= 0.0 && *c < 1e12)
+                .ok_or_else(|| bad(n, format!("count '{count}' is not a finite number ≥ 0")))?;
             let held = match held {
                 "1" => true,
                 "0" => false,
@@ -147,10 +160,7 @@ impl HotSet {
                 None => format!("it has no layer {l}"),
             })
             .unwrap_or_else(|| format!("it has {} paged layers and this model {}", self.layers.len(), layers.len()));
-        Err(Error::invalid(format!(
-            "hot set {} was saved for another model: {differs}; remove it, or pass another --sdq-hotset file",
-            path.display()
-        )))
+        Err(Error::invalid(format!("hot set {} was saved for another model: {differs}; remove it, or pass another --sdq-hotset file", path.display())))
     }
 }
 

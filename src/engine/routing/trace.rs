@@ -122,13 +122,29 @@ impl Trace {
                 if let Some(comment) = line.strip_prefix('#') {
                     let fields = key_values(comment);
                     if let Some(v) = fields.get("top_k") {
-                        top_k = Some(number(v).filter(|&k| k > 0 && k <= 1 << 16).ok_or_else(|| bad(n, format!("top_k '{v}' is not a positive count")))? as usize);
+                        top_k =
+                            Some(number(v).filter(|&k| k > 0 && k <= 1 << 16).ok_or_else(|| bad(n, format!("top_k '{v}' is not a positive count")))? as usize);
                     }
                     if let Some(v) = fields.get("layer") {
-                        let layer = number(v).filter(|&l| l < MAX_LAYERS as u64).ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number below {MAX_LAYERS}")))? as u32;
-                        let field = |k: &str| fields.get(k).map(|v| number(v).filter(|&x| x > 0).ok_or_else(|| bad(n, format!("{k} '{v}' of layer {layer} is not a positive number"))));
+                        let layer = number(v)
+                            .filter(|&l| l < MAX_LAYERS as u64)
+                            .ok_or_else(|| bad(n, format!("layer '{v}' is not a layer number below {MAX_LAYERS}")))? as u32;
+                        let field = |k: &str| {
+                            fields
+                                .get(k)
+                                .map(|v| number(v).filter(|&x| x > 0).ok_or_else(|| bad(n, format!("{k} '{v}' of layer {layer} is not a positive number"))))
+                        };
                         let bytes = field("bytes").ok_or_else(|| bad(n, format!("layer {layer} has no bytes=")))??;
-                        let experts = field("experts").transpose()?.map(|e| if e <= MAX_EXPERTS as u64 { Ok(e as u32) } else { Err(bad(n, format!("layer {layer}: {e} experts is more than {MAX_EXPERTS}"))) }).transpose()?;
+                        let experts = field("experts")
+                            .transpose()?
+                            .map(|e| {
+                                if e <= MAX_EXPERTS as u64 {
+                                    Ok(e as u32)
+                                } else {
+                                    Err(bad(n, format!("layer {layer}: {e} experts is more than {MAX_EXPERTS}")))
+                                }
+                            })
+                            .transpose()?;
                         let slot = field("slot").transpose()?;
                         if bytes > 1 << 40 || slot.is_some_and(|s| s < bytes || s > 1 << 40) {
                             return Err(bad(n, format!("layer {layer}: bytes {bytes} / slot {slot:?} are out of range")));
@@ -161,8 +177,13 @@ impl Trace {
                 "d" => Phase::Decode,
                 _ => return Err(bad(n, format!("phase '{phase}' is not p or d"))),
             };
-            let layer = number(layer).and_then(|l| u32::try_from(l).ok()).filter(|l| given.contains_key(l)).ok_or_else(|| bad(n, format!("layer '{layer}' has no '# layer=' line")))?;
-            let expert = number(expert).filter(|&e| e < MAX_EXPERTS as u64).ok_or_else(|| bad(n, format!("expert '{expert}' is not an expert number below {MAX_EXPERTS}")))? as u32;
+            let layer = number(layer)
+                .and_then(|l| u32::try_from(l).ok())
+                .filter(|l| given.contains_key(l))
+                .ok_or_else(|| bad(n, format!("layer '{layer}' has no '# layer=' line")))?;
+            let expert = number(expert)
+                .filter(|&e| e < MAX_EXPERTS as u64)
+                .ok_or_else(|| bad(n, format!("expert '{expert}' is not an expert number below {MAX_EXPERTS}")))? as u32;
             if let Some(limit) = given[&layer].1 {
                 if expert >= limit {
                     return Err(bad(n, format!("expert {expert} of layer {layer} is out of range ({limit} experts)")));
@@ -209,9 +230,12 @@ impl Trace {
         let top_k = match top_k {
             Some(k) => k,
             // A decoded token's batch has one row per selected expert.
-            None => batches.iter().filter(|b| b.phase == Phase::Decode).map(|b| b.rows as usize).max().ok_or_else(|| {
-                bad(n, "no 'top_k=' comment and no decoded token to tell the router's top-k from".into())
-            })?,
+            None => batches
+                .iter()
+                .filter(|b| b.phase == Phase::Decode)
+                .map(|b| b.rows as usize)
+                .max()
+                .ok_or_else(|| bad(n, "no 'top_k=' comment and no decoded token to tell the router's top-k from".into()))?,
         };
         let layers = given
             .into_iter()
@@ -385,7 +409,10 @@ mod tests {
             (&format!("{head}0,d,0,1,nan\n"), ":3: weight 'nan'"),
             (&format!("{head}1,d,0,1,1\n0,d,0,1,1\n"), ":4: step 0 comes after step 1"),
             (&format!("{head}0,d,0,1,1\n0,p,0,2,1\n"), ":4: step 0 is both p and d"),
-            ("# layer=0 bytes=10 experts=4\n# layer=1 bytes=10\nstep,phase,layer,expert,weight\n0,d,0,1,1\n0,d,1,1,1\n0,d,0,2,1\n", ":6: rows of step 0, layer 0 are not together"),
+            (
+                "# layer=0 bytes=10 experts=4\n# layer=1 bytes=10\nstep,phase,layer,expert,weight\n0,d,0,1,1\n0,d,1,1,1\n0,d,0,2,1\n",
+                ":6: rows of step 0, layer 0 are not together",
+            ),
             ("# layer=0 bytes=10\nstep,phase,layer,expert,weight\n0,p,0,1,1\n", "no decoded token to tell the router's top-k from"),
         ] {
             let e = read(text).unwrap_err().to_string();

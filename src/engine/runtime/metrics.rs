@@ -68,7 +68,11 @@ fn prometheus(stats: &Value) -> String {
     COUNTERS.iter().for_each(|m| emit("counter", m));
     GAUGES.iter().for_each(|m| emit("gauge", m));
     let paged = stats.get("paged").and_then(Value::as_bool).unwrap_or(false);
-    let _ = write!(out, "# HELP sdq_paged Whether routed experts are paged (1) or the model has none in use (0)\n# TYPE sdq_paged gauge\nsdq_paged {}\n", u8::from(paged));
+    let _ = write!(
+        out,
+        "# HELP sdq_paged Whether routed experts are paged (1) or the model has none in use (0)\n# TYPE sdq_paged gauge\nsdq_paged {}\n",
+        u8::from(paged)
+    );
     out
 }
 

@@ -17,13 +17,13 @@ pub use failure::{abort_requested, allow_batch_abort, embed, fail_batch, fail_lo
 pub use plan::ArenaPlan;
 pub(crate) use registry::renumbered;
 
-use crate::engine::memory::budget::{human, ProcMemory};
-use crate::error::Error;
 use crate::engine::ffi::ggml::{DotKernels, GgmlType, WeightLayout};
-use crate::engine::pager::layout::{Layout, Part, PagedTensor};
+use crate::engine::memory::budget::{human, ProcMemory};
+use crate::engine::pager::layout::{Layout, PagedTensor, Part};
 use crate::engine::pager::Pager;
 use crate::engine::routing::hotset::{HotExpert, HotSet};
 use crate::engine::routing::trace::{Phase, Recorder};
+use crate::error::Error;
 use options::Options;
 use phases::{PagerTotals, PhaseClock, PhaseTotals};
 use registry::{LoadedModel, Registry};
@@ -191,10 +191,7 @@ impl Runtime {
             return Ok(false);
         }
         if DotKernels::for_type(ty).is_none() {
-            return Err(Error::invalid(format!(
-                "tensor {name} has type {}, which ggml's CPU backend cannot multiply; sdq cannot page it",
-                ty.name()
-            )));
+            return Err(Error::invalid(format!("tensor {name} has type {}, which ggml's CPU backend cannot multiply; sdq cannot page it", ty.name())));
         }
         let mut r = self.lock_registry();
         let name = renumbered(name, r.loading().layer_base);
@@ -320,7 +317,7 @@ impl Runtime {
         let mut c = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());
         // The latest of the largest: common's parameter fitting reserves a
         // context of the same size before the weights are read.
-        if c.is_none_or(|(b, _)| bytes >= b) {
+        if c.map_or(true, |(b, _)| bytes >= b) {
             *c = Some((bytes, rss));
         }
     }
@@ -511,7 +508,8 @@ impl Runtime {
         let Some((pager, plan)) = self.pager.get() else { return };
         let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
         let w = watch.get_or_insert_with(|| {
-            let bounds = crate::engine::runtime::pressure::Plan { budget: self.budget, arena: plan.arena_bytes, min_arena: pager.layout().min_arena_bytes(plan.top_k) };
+            let bounds =
+                crate::engine::runtime::pressure::Plan { budget: self.budget, arena: plan.arena_bytes, min_arena: pager.layout().min_arena_bytes(plan.top_k) };
             crate::engine::runtime::pressure::Watch::new(bounds, self.options.budget_auto)
         });
         w.poll(pager, plan.top_k, rss_anon);

@@ -104,13 +104,13 @@ fn is_auto(value: &str) -> bool {
 /// A budget value: a size, or `auto` (what this process may use, see `auto_budget`).
 fn budget_of(flag: &str, value: &str) -> Result<u64> {
     if is_auto(value) {
-        let (bytes, source) = crate::engine::memory::budget::auto_budget().ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
+        let (bytes, source) = crate::engine::memory::budget::auto_budget()
+            .ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
         eprintln!("sdq: {flag} auto = {} ({source})", crate::engine::memory::budget::human(bytes));
         return Ok(bytes);
     }
     size_of(flag, value)
 }
-
 
 /// An on/off environment variable: 1/on/true or 0/off/false.
 fn switch(env: &impl Fn(&str) -> Option<String>, name: &str) -> Result<Option<bool>> {
@@ -165,12 +165,16 @@ impl Options {
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => Some(crate::engine::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1, idle or ahead")))?),
+            Some(v) => {
+                Some(crate::engine::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1, idle or ahead")))?)
+            }
         };
         o.preload = switch(&env, "SDQ_PRELOAD")?;
         o.pages = match env("SDQ_HUGEPAGES").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => Some(crate::engine::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto, 0 or hugetlb")))?),
+            Some(v) => {
+                Some(crate::engine::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto, 0 or hugetlb")))?)
+            }
         };
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
@@ -211,16 +215,14 @@ impl Options {
                 Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
                 _ => (s.to_string(), None),
             };
-            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats" | "--sdq-policy" | "--sdq-trace" | "--sdq-hotset") {
+            if !matches!(flag.as_str(), "--ram-budget" | "--ram-budget-mb" | "--sdq-reserve" | "--sdq-stats" | "--sdq-policy" | "--sdq-trace" | "--sdq-hotset")
+            {
                 kept.push(arg);
                 continue;
             }
             let value = match inline {
                 Some(v) => v,
-                None => it
-                    .next()
-                    .and_then(|v| v.into_string().ok())
-                    .ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
+                None => it.next().and_then(|v| v.into_string().ok()).ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
             };
             match flag.as_str() {
                 "--ram-budget" => {
@@ -352,7 +354,23 @@ mod tests {
 
     #[test]
     fn environment_round_trips() {
-        let o = Options { budget: Some(3 * GIB), reserve: Some(200 * MIB), stats_file: Some("f".into()), readers: Some(3), read_retries: Some(5), read_backoff_ms: Some(10), prefetch: Some(false), direct_io: Some(true), populate: Some(crate::engine::pager::Populate::Idle), pages: Some(crate::engine::pager::PageChoice::Small), preload: Some(false), policy: Some(crate::engine::pager::PolicyKind::Lru), trace_file: Some("t.csv".into()), hotset_file: Some("h.txt".into()), ..Default::default() };
+        let o = Options {
+            budget: Some(3 * GIB),
+            reserve: Some(200 * MIB),
+            stats_file: Some("f".into()),
+            readers: Some(3),
+            read_retries: Some(5),
+            read_backoff_ms: Some(10),
+            prefetch: Some(false),
+            direct_io: Some(true),
+            populate: Some(crate::engine::pager::Populate::Idle),
+            pages: Some(crate::engine::pager::PageChoice::Small),
+            preload: Some(false),
+            policy: Some(crate::engine::pager::PolicyKind::Lru),
+            trace_file: Some("t.csv".into()),
+            hotset_file: Some("h.txt".into()),
+            ..Default::default()
+        };
         let env = o.to_env();
         let (back, _) = parse(&["t"], &env.iter().map(|(k, v)| (*k, v.as_str())).collect::<Vec<_>>());
         assert_eq!(back.unwrap(), o);

@@ -119,7 +119,12 @@ impl Runtime {
         let path = self.options.mmproj.as_ref()?;
         match projector_memory(path) {
             Ok(p) => {
-                log::info!("projector {}: {} of weights and {} of compute buffers counted before the arena", path.display(), human(p.weights), human(p.compute));
+                log::info!(
+                    "projector {}: {} of weights and {} of compute buffers counted before the arena",
+                    path.display(),
+                    human(p.weights),
+                    human(p.compute)
+                );
                 Some(p)
             }
             Err(e) => {

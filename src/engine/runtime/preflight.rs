@@ -5,9 +5,9 @@
 //! is wrong, instead of a page of loader errors or, worse, a run that pages
 //! garbage.
 
-use crate::error::{Error, Result};
 use crate::engine::model::gguf::{Gguf, Value};
 use crate::engine::pager::layout::Part;
+use crate::error::{Error, Result};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -36,9 +36,8 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
     }
     let checkpoint_bytes = crate::engine::memory::growth::checkpoint_bytes(&first);
     if count > 1 {
-        let prefix = split_prefix(path, count).ok_or_else(|| {
-            Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf"))
-        })?;
+        let prefix = split_prefix(path, count)
+            .ok_or_else(|| Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf")))?;
         for i in 2..=count {
             let part = PathBuf::from(format!("{prefix}-{i:05}-of-{count:05}.gguf"));
             if !part.exists() {

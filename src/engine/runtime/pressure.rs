@@ -59,7 +59,10 @@ impl Plan {
 
 /// Reads the room now, for a process holding `rss_anon` of anonymous memory.
 pub fn read(auto: bool, rss_anon: u64) -> Reading {
-    Reading { cgroup: crate::engine::memory::cgroup::cgroup_limit(), available: if auto { crate::engine::memory::budget::mem_available().map(|a| a + rss_anon) } else { None } }
+    Reading {
+        cgroup: crate::engine::memory::cgroup::cgroup_limit(),
+        available: if auto { crate::engine::memory::budget::mem_available().map(|a| a + rss_anon) } else { None },
+    }
 }
 
 /// The arena's size over the run, and its changes.

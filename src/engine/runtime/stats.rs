@@ -120,7 +120,8 @@ impl Runtime {
             let r = self.lock_registry();
             // Every model loaded with its weights, and where its layers start
             // among the pager's (a draft model's follow the target's).
-            let models: Vec<_> = r.models.iter().filter(|m| m.loaded).map(|m| json!({ "path": m.path.display().to_string(), "first_layer": m.layer_base })).collect();
+            let models: Vec<_> =
+                r.models.iter().filter(|m| m.loaded).map(|m| json!({ "path": m.path.display().to_string(), "first_layer": m.layer_base })).collect();
             (r.files.clone(), models)
         };
         let (prompt, decode) = self.phase_totals();
