@@ -375,7 +375,10 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
     let prompt = "Explain how a mixture-of-experts model decides which experts handle each token.";
     for arch in ["qwen35moe", "gpt-oss", "deepseek2"] {
         let mut distance = Vec::new();
-        for routing in ["skewed", "trained"] {
+        // The skewed default's distance (22-42 points, measured) is checked
+        // on one architecture: the other two models would cost a minute.
+        let routings: &[&str] = if arch == "qwen35moe" { &["trained", "skewed"] } else { &["trained"] };
+        for &routing in routings {
             let tag = format!("routing-{arch}-{routing}");
             let model = TempModel::generate(
                 &format!("{tag}.gguf"),
@@ -397,11 +400,9 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
             eprintln!("{arch}, {routing} routing: LRU and Bélády {c:.1?} (trained {trained:.1?}): largest difference {d:.1} points");
             distance.push(d);
         }
-        assert!(
-            distance[1] <= 8.0 && distance[1] < distance[0],
-            "{arch}: trained routing is {:.1} points from the trained trace, skewed {:.1}",
-            distance[1],
-            distance[0]
-        );
+        assert!(distance[0] <= 8.0, "{arch}: trained routing is {:.1} points from the trained trace", distance[0]);
+        if let Some(&skewed) = distance.get(1) {
+            assert!(distance[0] < skewed, "{arch}: trained routing is {:.1} points from the trained trace, skewed {skewed:.1}", distance[0]);
+        }
     }
 }
