@@ -137,25 +137,28 @@ fn inspect_predicts_the_live_run(model: &Path, tag: &str) {
 
 #[test]
 fn deepseek_v3_at_full_width_in_split_parts_answers_as_stock() {
-    // One dense layer and two of 256 experts at Q2_K (3.7 GB each), in parts
-    // of at most 3 GB of tensors.
-    let args = ["--preset", "deepseek-v3", "--layers", "3", "--dense-layers", "1", "--expert-type", "q2_K", "--split-max-size", "3G"];
-    gen_model("far-deepseek-v3-3l.gguf", &args);
-    let parts: Vec<TempModel> = (1..=4)
-        .map(|i| scratch().join(format!("far-deepseek-v3-3l-{i:05}-of-00004.gguf")))
+    // One dense layer and one of 256 experts at Q2_K (3.7 GB), in parts of
+    // at most 2 GB of tensors: the expert tensors (1.2 GB each) fall in
+    // different parts from the dense weights and from each other.
+    let args = ["--preset", "deepseek-v3", "--layers", "2", "--dense-layers", "1", "--expert-type", "q2_K", "--split-max-size", "2G"];
+    gen_model("far-deepseek-v3-2l.gguf", &args);
+    assert!(!scratch().join("far-deepseek-v3-2l.gguf").exists(), "a split model is written in parts only");
+    let first = scratch().join("far-deepseek-v3-2l-00001-of-00003.gguf");
+    let count = Gguf::open(&first).unwrap().get("split.count").and_then(|v| v.as_u64()).unwrap_or_else(|| panic!("{}: no split.count", first.display()));
+    assert_eq!(count, 3, "3.7 GB of experts and 0.6 GB of other weights in parts of 2 GB");
+    let parts: Vec<TempModel> = (1..=count)
+        .map(|i| scratch().join(format!("far-deepseek-v3-2l-{i:05}-of-{count:05}.gguf")))
         .inspect(|p| assert!(p.is_file(), "no part {}", p.display()))
         .map(TempModel::adopt)
         .collect();
-    assert!(!scratch().join("far-deepseek-v3-3l.gguf").exists(), "a split model is written in parts only");
-    let first = &parts[0];
     let mut tensors = 0;
     for (i, p) in parts.iter().enumerate() {
         let g = Gguf::open(p).unwrap();
         assert_eq!(g.get("split.no").and_then(|v| v.as_u64()), Some(i as u64));
-        assert_eq!(g.get("split.count").and_then(|v| v.as_u64()), Some(4));
+        assert_eq!(g.get("split.count").and_then(|v| v.as_u64()), Some(count));
         assert_eq!(g.get("general.architecture").is_some(), i == 0, "only the first part carries the model's keys");
         tensors += g.tensors().len() as u64;
     }
-    assert_eq!(Gguf::open(first).unwrap().get("split.tensors.count").and_then(|v| v.as_u64()), Some(tensors));
-    check_against_stock(first, "deepseek-v3", 256);
+    assert_eq!(Gguf::open(&parts[0]).unwrap().get("split.tensors.count").and_then(|v| v.as_u64()), Some(tensors));
+    check_against_stock(&parts[0], "deepseek-v3", 256);
 }

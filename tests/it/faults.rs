@@ -49,12 +49,11 @@ const AT: [u64; 3] = [1, 40, 150];
 /// Waits until the run has written its first stats snapshot (paging has
 /// started) within `secs`, asserting it is still running.
 fn wait_for_stats(stats: &Path, child: &mut std::process::Child, secs: u64) {
-    let start = Instant::now();
-    while !stats.exists() {
-        assert!(start.elapsed() < Duration::from_secs(secs), "no stats snapshot within {secs} s");
+    poll_until(secs, || {
         assert!(child.try_wait().unwrap().is_none(), "the run ended early");
-        std::thread::sleep(Duration::from_millis(50));
-    }
+        stats.exists().then_some(())
+    })
+    .unwrap_or_else(|| panic!("no stats snapshot within {secs} s"));
 }
 
 #[test]
@@ -156,14 +155,14 @@ fn a_model_file_changed_while_running() {
         std::fs::copy(tiny(), &model).unwrap();
         let (stock, budget) = stock_and_tight_budget(&model, n);
         // 20 ms per read: the run lasts several seconds. The file changes
-        // 1.5 s after the first stats snapshot, which comes once paging has
-        // started (the load, which must not see the change, is over).
+        // once a stats snapshot counts 40 reads: the load, which must not
+        // see the change, is over, and the run is well into its reads.
         let stats = scratch().join(format!("stats-{how}.json"));
         let _ = std::fs::remove_file(&stats);
         let mut child =
             paged(&model, n, &budget, "delay=20").args(["--sdq-stats", stats.to_str().unwrap()]).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
         wait_for_stats(&stats, &mut child, 120);
-        std::thread::sleep(Duration::from_millis(1500));
+        stats_when(&stats, 60, "40 reads", |s| u(s, "misses") >= 40);
         assert!(child.try_wait().unwrap().is_none(), "{how}: the run ended before the file changed");
         if how == "truncated" {
             let len = std::fs::metadata(&model).unwrap().len();
@@ -196,7 +195,8 @@ fn ctrl_c_during_a_read_exits_promptly_and_the_stats_file_is_json() {
     let mut child =
         paged(tiny(), 256, "1G", "delay=300").args(["--sdq-stats", stats.to_str().unwrap()]).stdout(Stdio::null()).stderr(Stdio::piped()).spawn().unwrap();
     wait_for_stats(&stats, &mut child, 60);
-    std::thread::sleep(Duration::from_millis(500));
+    // Reads have started: the process is inside one most of the time.
+    stats_when(&stats, 60, "a read done", |s| u(s, "misses") > 0);
     // SAFETY: signalling our own child by its pid.
     unsafe { libc::kill(child.id() as i32, libc::SIGINT) };
     let sent = Instant::now();

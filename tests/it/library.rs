@@ -233,22 +233,16 @@ fn llama_cpp_python_server_answers_under_a_budget() {
             .spawn()
             .unwrap();
         let mut server = KillOnDrop(child);
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-        let reply = loop {
-            match http(port, "POST", "/v1/chat/completions", Some(body)) {
-                Ok((200, text)) => break text,
-                Ok((code, text)) => panic!("HTTP {code}: {text}"),
-                Err(_) if std::time::Instant::now() < deadline => std::thread::sleep(std::time::Duration::from_millis(300)),
-                Err(e) => panic!("llama_cpp.server did not answer: {e}"),
-            }
-        };
+        let reply = poll_until(120, || match http(port, "POST", "/v1/chat/completions", Some(body)) {
+            Ok((200, text)) => Some(text),
+            Ok((code, text)) => panic!("HTTP {code}: {text}"),
+            Err(_) => None,
+        })
+        .expect("llama_cpp.server answers within 120 s");
         // SIGINT: uvicorn shuts down and Python exits normally, so the stats are written.
         // SAFETY: signalling our own child.
         unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while server.0.try_wait().unwrap().is_none() && std::time::Instant::now() < deadline {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
+        let _ = poll_until(60, || server.0.try_wait().unwrap());
         let v: Value = serde_json::from_str(&reply).unwrap();
         v["choices"][0]["message"]["content"].as_str().unwrap().to_string()
     };

@@ -62,12 +62,7 @@ fn a_terminated_runner_still_removes_its_cgroup() {
     let _ = std::fs::remove_file(&report);
     let mut runner = Command::new(bin("sdq")).args(["limit", "--memory", "256M", "--report", report.to_str().unwrap(), "--", "sleep", "30"]).spawn().unwrap();
     // The runner has started the command (its cgroup made) once it has a child.
-    let children = format!("/proc/{0}/task/{0}/children", runner.id());
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    while std::fs::read_to_string(&children).unwrap_or_default().trim().is_empty() {
-        assert!(std::time::Instant::now() < deadline, "the runner did not start its command");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
+    child_of(runner.id());
     let started = std::time::Instant::now();
     assert!(Command::new("kill").args(["-TERM", &runner.id().to_string()]).status().unwrap().success());
     let status = runner.wait().unwrap();

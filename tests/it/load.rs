@@ -11,7 +11,7 @@
 
 use crate::util::*;
 use serde_json::Value;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 const CLIENTS: usize = 16;
 
@@ -59,15 +59,8 @@ fn open_fds(pid: u32) -> std::collections::BTreeMap<String, usize> {
 /// and the temporary file the stats are written through each second
 /// (`.NAME.PID.tmp`, renamed over the stats file).
 fn settled_fds(pid: u32) -> std::collections::BTreeMap<String, usize> {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    loop {
-        let table = open_fds(pid);
-        let in_flight = table.keys().any(|k| k == "socket (connection)" || k.ends_with(".tmp"));
-        if !in_flight || Instant::now() > deadline {
-            return table;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let settled = || Some(open_fds(pid)).filter(|table| !table.keys().any(|k| k == "socket (connection)" || k.ends_with(".tmp")));
+    poll_until(10, settled).unwrap_or_else(|| open_fds(pid))
 }
 
 fn complete(port: u16, prompt: &str, n: u32) -> String {
@@ -210,7 +203,7 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     let change = |limit: u64, range: std::ops::Range<usize>| {
         std::thread::scope(|sc| {
             let requests = sc.spawn(|| drive(port, &soak[range], 4, CLIENTS));
-            std::thread::sleep(Duration::from_millis(200));
+            wait_processing(port, || requests.is_finished());
             if limited.is_some() {
                 set_limit(pid, limit);
             }

@@ -558,15 +558,7 @@ fn server_with_a_budget_answers_concurrent_requests_like_stock() {
             let answers = ask(port);
             // The server is killed at the end of this block, without its exit
             // handlers: the stats come from its snapshot, written each second.
-            let started = std::time::Instant::now();
-            let s = loop {
-                let s = std::fs::read_to_string(&stats).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).filter(|s| s.get("expert_layouts").is_some());
-                match s {
-                    Some(s) => break s,
-                    None if started.elapsed().as_secs() < 20 => std::thread::sleep(std::time::Duration::from_millis(100)),
-                    None => panic!("{flags}: no stats snapshot in {} after 20 s", stats.display()),
-                }
-            };
+            let s = stats_when(&stats, 20, flags, |s| s.get("expert_layouts").is_some());
             (answers, s)
         };
         for (i, (paged, stock)) in paged.0.iter().zip(&stock.0).enumerate() {

@@ -189,11 +189,8 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         let (srv, port) = start_server_env(&args, &[("SDQ_PRELOAD", "0")]);
         let read = |key: &str| std::fs::read_to_string(&stats).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).and_then(|v| v[key].as_u64());
         if hotset {
-            let started = std::time::Instant::now();
-            while read("warm_start_pending") != Some(0) {
-                assert!(started.elapsed().as_secs() < 60, "the hot set was not read while the server waited: {:?}", std::fs::read_to_string(&stats));
-                std::thread::sleep(std::time::Duration::from_millis(200));
-            }
+            poll_until(60, || (read("warm_start_pending") == Some(0)).then_some(()))
+                .unwrap_or_else(|| panic!("the hot set was not read while the server waited: {:?}", std::fs::read_to_string(&stats)));
             assert_eq!(read("warm_start_listed"), Some(held.len() as u64));
             assert!(read("warm_start_experts").unwrap() > 0);
         }
@@ -203,11 +200,8 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         assert_eq!(status, 200, "{reply}");
         // The stats file is rewritten each second: the next one counts the request.
         let answered = std::time::SystemTime::now();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while std::fs::metadata(&stats).and_then(|m| m.modified()).map_or(true, |t| t <= answered) {
-            assert!(std::time::Instant::now() < deadline, "the stats file was not rewritten after the request");
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
+        poll_until(10, || std::fs::metadata(&stats).and_then(|m| m.modified()).ok().filter(|&t| t > answered))
+            .expect("the stats file is rewritten within 10 s of the request");
         let misses = read("misses").unwrap() - before;
         drop(srv);
         (serde_json::from_str::<Value>(&reply).unwrap()["content"].clone(), misses)
@@ -218,35 +212,19 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
     assert!(warm_misses < cold_misses, "the request missed {warm_misses} experts warm and {cold_misses} cold");
     // A malformed hot set stops the run before the model loads, naming the
     // file and line, and is left as it was.
+    let with_hotset = || {
+        let args = ["--ram-budget", &budget, "--sdq-reserve", "16M", "--sdq-hotset", hot.to_str().unwrap()];
+        run(Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args(args), 60)
+    };
     let bad = "# sdq hot set\n# layer=0 bytes=127488 experts=256\nlayer,expert,count,held\n0,300,1,1\n";
     std::fs::write(&hot, bad).unwrap();
-    let o = run(
-        Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args([
-            "--ram-budget",
-            &budget,
-            "--sdq-reserve",
-            "16M",
-            "--sdq-hotset",
-            hot.to_str().unwrap(),
-        ]),
-        60,
-    );
+    let o = with_hotset();
     assert_eq!(o.status.code(), Some(1));
     assert!(stderr(&o).contains(&format!("{}:4: expert '300' of layer 0 is not below its 256 experts", hot.display())), "{}", stderr(&o));
     assert_eq!(std::fs::read_to_string(&hot).unwrap(), bad);
     // A hot set of another model is refused, naming what differs.
     std::fs::write(&hot, text.replacen("bytes=127488", "bytes=127489", 1)).unwrap();
-    let o = run(
-        Command::new(bin("llama-completion")).args(completion_args(wide(), "hi", 2)).args([
-            "--ram-budget",
-            &budget,
-            "--sdq-reserve",
-            "16M",
-            "--sdq-hotset",
-            hot.to_str().unwrap(),
-        ]),
-        60,
-    );
+    let o = with_hotset();
     assert_eq!(o.status.code(), Some(1));
     assert!(
         stderr(&o).contains("was saved for another model: layer 0 has 256 experts of 127489 bytes there and 256 of 127488 bytes in this model"),

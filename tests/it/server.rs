@@ -5,19 +5,12 @@
 use crate::util::*;
 use serde_json::Value;
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The server's exit status, which must come within 30 s (`what` says why
 /// it should exit).
 fn exit_within_30s(server: &mut KillOnDrop, what: &str) -> std::process::ExitStatus {
-    let start = Instant::now();
-    loop {
-        if let Some(status) = server.0.try_wait().unwrap() {
-            return status;
-        }
-        assert!(start.elapsed() < Duration::from_secs(30), "llama-server did not exit within 30 s {what}");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    poll_until(30, || server.0.try_wait().unwrap()).unwrap_or_else(|| panic!("llama-server did not exit within 30 s {what}"))
 }
 
 /// Stops the server with SIGINT (its clean shutdown, which writes the
@@ -229,7 +222,7 @@ fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() 
     // a GiB back and the process fits under the new limit.
     let lowered = std::thread::scope(|sc| {
         let client = sc.spawn(|| prompts[2..4].iter().map(|p| greedy(port, p, 8)).collect::<Vec<_>>());
-        std::thread::sleep(Duration::from_millis(300));
+        wait_processing(port, || client.is_finished());
         let r = set_limit(pid, 1 << 30);
         answers.extend(client.join().unwrap());
         r

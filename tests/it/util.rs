@@ -79,6 +79,23 @@ pub fn run(cmd: &mut Command, timeout_s: u64) -> Output {
     wait_with_timeout(child, timeout_s)
 }
 
+/// Calls `poll` every 50 ms until it gives a value, for at most `secs`:
+/// every test that waits for another process waits for a condition this
+/// way, never for a fixed time. None when time ran out; the caller's panic
+/// says what did not happen.
+pub fn poll_until<T>(secs: u64, mut poll: impl FnMut() -> Option<T>) -> Option<T> {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(v) = poll() {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Waits for `child` and collects its output, killing it after `timeout_s`.
 pub fn wait_with_timeout(child: Child, timeout_s: u64) -> Output {
     let pid = child.id();
@@ -169,38 +186,35 @@ pub fn start_server_logged(args: &[&str], env: &[(&str, &str)], log: Option<&Pat
         .spawn()
         .unwrap();
     let mut server = KillOnDrop(child);
-    wait_healthy(port, &mut server.0, log, Instant::now());
+    wait_healthy(port, &mut server.0, log, 120);
     (server, port)
 }
 
-/// Waits until llama-server on `port` answers /health with 200 (within 120 s
-/// of `start`); panics, with the server's `log`, if `process` (the server,
-/// or what runs it) exits first.
-fn wait_healthy(port: u16, process: &mut Child, log: Option<&Path>, start: Instant) {
-    loop {
-        if let Ok((200, _)) = http(port, "GET", "/health", None) {
-            return;
-        }
+/// Waits until llama-server on `port` answers /health with 200 (within
+/// `secs`); panics, with the server's `log`, if `process` (the server, or
+/// what runs it) exits first.
+fn wait_healthy(port: u16, process: &mut Child, log: Option<&Path>, secs: u64) {
+    poll_until(secs, || {
         if let Ok(Some(status)) = process.try_wait() {
             panic!("llama-server exited early: {status}\n{}", log.and_then(|p| std::fs::read_to_string(p).ok()).unwrap_or_default());
         }
-        assert!(start.elapsed() < Duration::from_secs(120), "llama-server not healthy within 120 s");
-        std::thread::sleep(Duration::from_millis(200));
-    }
+        matches!(http(port, "GET", "/health", None), Ok((200, _))).then_some(())
+    })
+    .unwrap_or_else(|| panic!("llama-server not healthy within {secs} s"));
+}
+
+/// Waits until llama-server on `port` is answering a request (one of its
+/// slots is processing) or `done` says the requests are over, within 60 s.
+pub fn wait_processing(port: u16, done: impl Fn() -> bool) {
+    let processing = || http(port, "GET", "/slots", None).is_ok_and(|(status, body)| status == 200 && body.contains("\"is_processing\":true"));
+    poll_until(60, || (done() || processing()).then_some(())).expect("llama-server answers a request within 60 s");
 }
 
 /// The first child of process `pid` (a runner's command), once it has one
 /// (within 10 s).
 pub fn child_of(pid: u32) -> u32 {
-    let start = Instant::now();
-    loop {
-        let children = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
-        if let Some(child) = children.split_whitespace().next().and_then(|p| p.parse().ok()) {
-            return child;
-        }
-        assert!(start.elapsed() < Duration::from_secs(10), "process {pid} started no command");
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    poll_until(10, || std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?.split_whitespace().next()?.parse().ok())
+        .unwrap_or_else(|| panic!("process {pid} started no command within 10 s"))
 }
 
 /// `v[key]` as a number (panics naming what is missing).
@@ -284,11 +298,7 @@ impl LimitedServer {
         // SAFETY: signalling our own grandchild by its pid, which is alive
         // (its parent, the runner, has not reaped it).
         unsafe { libc::kill(self.pid as i32, libc::SIGINT) };
-        let start = Instant::now();
-        while self.runner.try_wait().unwrap().is_none() {
-            assert!(start.elapsed() < Duration::from_secs(30), "llama-server did not stop within 30 s of SIGINT");
-            std::thread::sleep(Duration::from_millis(100));
-        }
+        poll_until(30, || self.runner.try_wait().unwrap()).expect("llama-server stops within 30 s of SIGINT");
         serde_json::from_str(&std::fs::read_to_string(&self.report).unwrap()).unwrap()
     }
 }
@@ -322,10 +332,9 @@ pub fn start_server_limited(limit: &str, args: &[&str], env: &[(&str, &str)], lo
         .stderr(Stdio::from(std::fs::File::create(log).unwrap()))
         .spawn()
         .unwrap();
-    let start = Instant::now();
     let pid = child_of(runner.id());
     let mut server = LimitedServer { runner, pid, port, report };
-    wait_healthy(port, &mut server.runner, Some(log), start);
+    wait_healthy(port, &mut server.runner, Some(log), 120);
     let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     if !cgroups.contains("sdq-limit-") {
         eprintln!("SKIPPED: no writable memory cgroup here (the server runs unconfined)");
@@ -352,16 +361,9 @@ pub fn rss_anon_of(pid: u32) -> u64 {
 /// The stats file once `cond` holds for it (it is rewritten every second),
 /// within `secs`; panics with the last one otherwise.
 pub fn stats_when(path: &Path, secs: u64, what: &str, cond: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
-    let start = Instant::now();
-    loop {
-        let s: Option<serde_json::Value> = std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str(&t).ok());
-        if let Some(s) = s {
-            if cond(&s) {
-                return s;
-            }
-            assert!(start.elapsed() < Duration::from_secs(secs), "{what}: not within {secs} s: {s}");
-        }
-        assert!(start.elapsed() < Duration::from_secs(secs), "{what}: no stats file {} within {secs} s", path.display());
-        std::thread::sleep(Duration::from_millis(200));
-    }
+    let read = || std::fs::read_to_string(path).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    poll_until(secs, || read().filter(|s| cond(s))).unwrap_or_else(|| match read() {
+        Some(s) => panic!("{what}: not within {secs} s: {s}"),
+        None => panic!("{what}: no stats file {} within {secs} s", path.display()),
+    })
 }
