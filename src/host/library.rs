@@ -38,7 +38,7 @@ pub fn init_from_env() {
         return;
     }
     // What would end a tool fails the call instead: the host program goes on.
-    runtime::embed();
+    runtime::failure::embed();
     hooks::install();
     // The stats file and the summary line when the host program exits.
     // SAFETY: registering a plain extern "C" function with no state.

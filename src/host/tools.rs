@@ -193,7 +193,7 @@ pub fn run(entry: Entry) -> ! {
         if tool_is(&program, "llama-server") {
             // It answers a batch whose expert read failed with the error and
             // goes on (patch 0004); every other tool ends with the error.
-            runtime::allow_batch_abort();
+            runtime::failure::allow_batch_abort();
         }
         if tool_has_prompt_cache(&program) {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);

@@ -4,7 +4,7 @@
 //! matmul reads the real bytes from the pager instead.
 
 use crate::engine::ffi::sys;
-use crate::engine::runtime::fatal;
+use crate::engine::runtime::failure::fatal;
 use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 

@@ -6,7 +6,8 @@ use crate::engine::ffi::ggml::{DotKernels, GgmlType, WeightLayout};
 use crate::engine::ffi::{llama, sys};
 use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
 use crate::engine::pager::layout::{PagedTensor, Part};
-use crate::engine::runtime::{self, fatal, guard};
+use crate::engine::runtime;
+use crate::engine::runtime::failure::{self, fatal, guard};
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
@@ -55,7 +56,7 @@ pub fn install() {
 }
 
 extern "C" fn abort_requested(_: *mut c_void) -> bool {
-    guard("abort_requested", runtime::abort_requested)
+    guard("abort_requested", failure::abort_requested)
 }
 
 extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize, logits: usize) {
@@ -68,7 +69,7 @@ extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize,
 
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
     guard("take_batch_error", || {
-        let Some(msg) = runtime::take_batch_error() else { return false };
+        let Some(msg) = failure::take_batch_error() else { return false };
         // SAFETY: the caller passes a buffer of len bytes.
         unsafe { write_c_string(&msg, buf, len) };
         true
@@ -77,7 +78,7 @@ extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> 
 
 extern "C" fn take_load_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
     guard("take_load_error", || {
-        let Some(msg) = runtime::take_load_error() else { return false };
+        let Some(msg) = failure::take_load_error() else { return false };
         // SAFETY: the caller passes a buffer of len bytes.
         unsafe { write_c_string(&msg, buf, len) };
         true
@@ -140,7 +141,7 @@ extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft
         // SAFETY: the loader passes the buffer type it chose, one of ggml's.
         let (layout, notice) = unsafe { WeightLayout::of(meta, stock_buft) };
         rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| {
-            runtime::fail_load(&e.to_string());
+            failure::fail_load(&e.to_string());
             false
         })
     })

@@ -33,8 +33,9 @@
 use crate::engine::ffi::ggml::{DotKernels, WeightLayout};
 use crate::engine::ffi::sys;
 use crate::engine::pager::layout::Part;
-use crate::engine::pager::{Count, Pager};
-use crate::engine::runtime::{self, fatal, guard};
+use crate::engine::pager::{Count, Pager, PinnedExpert};
+use crate::engine::runtime;
+use crate::engine::runtime::failure::{self, fatal, guard};
 use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::{c_int, c_void};
@@ -299,24 +300,13 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     let batch = unsafe { join(key, op.layer, &op.name, starts_layer, starts, &op.kernels, ids, b, pager) };
     let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
     WORKSPACE.with_borrow_mut(|ws| {
-        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
-            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
-            let expert = match pager.acquire(op.layer, e, count) {
-                Ok(expert) => expert,
-                // The batch is abandoned (or the process ends): this
-                // expert's rows of dst are never read.
-                Err(err) => {
-                    runtime::fail_batch(&err.to_string());
-                    continue;
-                }
-            };
+        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, uses| {
             // SAFETY: the part is this expert's rows; the activations are b
             // converted (by join's caller) in stock's layout; dst is F32
             // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
             // to e alone, and e to this thread alone.
             unsafe { matmul.run(expert.part(op.part), &batch.acts.buf, b.ne[1] as usize, uses, dst.data.cast(), dst.nb[1], dst.nb[2], &mut ws.tiled) };
-            drop(expert); // release the slot as soon as this expert is done
-        }
+        });
     });
     if op.ends_step && ith == 0 {
         pager.step_ended();
@@ -367,16 +357,7 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     let down_act_bytes = op.down.activation_row_bytes(n_ff);
     WORKSPACE.with_borrow_mut(|ws| {
         let Workspace { tiled, fused: f } = ws;
-        while let Some((i, count)) = next_expert(key, nth, op.layer, pager) {
-            let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
-            let expert = match pager.acquire(op.layer, e, count) {
-                Ok(expert) => expert,
-                // As in the matmul: the batch is abandoned, its output unused.
-                Err(err) => {
-                    runtime::fail_batch(&err.to_string());
-                    continue;
-                }
-            };
+        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, uses| {
             // At most FUSED_ROWS uses at a time: this thread's buffers stay
             // the same size whatever the ubatch (an expert a whole ubatch
             // routes to would otherwise take ubatch × n_ff floats thrice).
@@ -421,8 +402,7 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
                     row.copy_from_slice(out);
                 }
             }
-            drop(expert); // release the slot as soon as this expert is done
-        }
+        });
     });
     if op.ends_step && ith == 0 {
         pager.step_ended();
@@ -517,6 +497,22 @@ unsafe fn join(
     // SAFETY: b is the input the buffer was sized from (this function's contract).
     unsafe { batch.acts.convert(b, kernels) };
     batch
+}
+
+/// Computes this thread's share of a call: claims the batch's experts one at
+/// a time (`next_expert`), pins each (reading it on a miss) for `work` with
+/// its uses, and releases its slot as soon as `work` is done with it. A
+/// failed acquire abandons the batch (or ends the process): that expert's
+/// rows of dst are never read, and the loop goes on so that every claim is
+/// drained and the call's last thread removes it.
+fn for_each_pinned(key: usize, nth: usize, layer: u32, pager: &Pager, batch: &Batch, mut work: impl FnMut(&PinnedExpert<'_>, &[i32])) {
+    while let Some((i, count)) = next_expert(key, nth, layer, pager) {
+        let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
+        match pager.acquire(layer, e, count) {
+            Ok(expert) => work(&expert, uses),
+            Err(err) => failure::fail_batch(&err.to_string()),
+        }
+    }
 }
 
 /// The index of the next expert of call `key` for this thread to compute

@@ -4,7 +4,8 @@
 
 use super::expert_id;
 use crate::engine::ffi::sys;
-use crate::engine::runtime::{self, fatal, guard};
+use crate::engine::runtime;
+use crate::engine::runtime::failure::{fatal, guard};
 use std::collections::HashMap;
 use std::ffi::{c_int, c_void};
 use std::sync::{Mutex, OnceLock};

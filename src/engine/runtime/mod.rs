@@ -13,7 +13,7 @@ pub mod pressure;
 mod registry;
 mod stats;
 
-pub use failure::{abort_requested, allow_batch_abort, embed, fail_batch, fail_load, fatal, guard, take_batch_error, take_load_error};
+use failure::{fail_batch, fail_load, fatal};
 pub use plan::ArenaPlan;
 pub(crate) use registry::renumbered;
 
