@@ -46,9 +46,6 @@ fn main() {
     // `--version` of every tool names the pinned llama.cpp.
     println!("cargo:rustc-env=SDQ_LLAMA_COMMIT={}", pin.commit);
     let vendor = ensure_vendor(&root, &pin);
-    let tools = BuildTools::read(&root.join("vendor/build-tools.pin"), &target_dir(&out).join("build-tools"));
-    let cmake_exe = tools.cmake();
-    let clang_includes = tools.libclang();
     // SDQ_LLAMA_BUILD_DIR shares one patched tree and cmake build between
     // target directories (the fuzz crate's, the tests'): the cmake flags do
     // not depend on the Cargo profile, so a second build finds it done.
@@ -56,7 +53,15 @@ fn main() {
     // directory: the README's two commands build llama.cpp once.
     let work = env::var_os("SDQ_LLAMA_BUILD_DIR").map_or_else(|| target_dir(&out).join("llama"), PathBuf::from);
     fs::create_dir_all(&work).unwrap_or_else(|e| fail(&format!("cannot create {}: {e}", work.display())));
-    let ui = provision_ui(&root, &vendor, &tools, &target_dir(&out).join("ui"));
+    // The fetched build tools and the built chat page sit beside that build
+    // (TARGET/build-tools and TARGET/ui by default), so a shared build shares
+    // them too: the fuzz crate's build otherwise fetched libclang and built
+    // the page again, 2 of its 4.5 minutes in CI.
+    let beside = work.parent().filter(|p| !p.as_os_str().is_empty()).map_or_else(|| target_dir(&out), Path::to_path_buf);
+    let tools = BuildTools::read(&root.join("vendor/build-tools.pin"), &beside.join("build-tools"));
+    let cmake_exe = tools.cmake();
+    let clang_includes = tools.libclang();
+    let ui = provision_ui(&root, &vendor, &tools, &beside.join("ui"));
     let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
     let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
     compile_shims(&root);
