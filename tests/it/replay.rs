@@ -189,8 +189,7 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         let (srv, port) = start_server_env(&args, &[("SDQ_PRELOAD", "0")]);
         let read = |key: &str| std::fs::read_to_string(&stats).ok().and_then(|t| serde_json::from_str::<Value>(&t).ok()).and_then(|v| v[key].as_u64());
         if hotset {
-            poll_until(60, || (read("warm_start_pending") == Some(0)).then_some(()))
-                .unwrap_or_else(|| panic!("the hot set was not read while the server waited: {:?}", std::fs::read_to_string(&stats)));
+            stats_when(&stats, 60, "the hot set read while the server waited", |s| s["warm_start_pending"].as_u64() == Some(0));
             assert_eq!(read("warm_start_listed"), Some(held.len() as u64));
             assert!(read("warm_start_experts").unwrap() > 0);
         }
