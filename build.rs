@@ -16,6 +16,7 @@ use std::env;
 use std::fs;
 use std::path::{Path, PathBuf};
 use std::process::{self, Command};
+use std::thread;
 
 /// Top-level entries of the llama.cpp tree the build never needs (models,
 /// docs, tests, …); leaving them out keeps the copy small.
@@ -59,11 +60,34 @@ fn main() {
     // the page again (its build in CI: 271 s with them, 111 s without).
     let beside = work.parent().filter(|p| !p.as_os_str().is_empty()).map_or_else(|| target_dir(&out), Path::to_path_buf);
     let tools = BuildTools::read(&root.join("vendor/build-tools.pin"), &beside.join("build-tools"));
-    let cmake_exe = tools.cmake();
+    // The cmake crate runs $CMAKE, else `cmake` from PATH.
+    if let Some(exe) = tools.cmake() {
+        env::set_var("CMAKE", exe);
+    }
     let clang_includes = tools.libclang();
-    let ui = provision_ui(&root, &vendor, &tools, &beside.join("ui"));
-    let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
-    let build_dir = cmake_build(&root, &src, &pin, &work, cmake_exe.as_deref());
+    let ui_cache = beside.join("ui");
+    let (src, build_dir) = if ui_is_built(&root, &ui_cache) {
+        let ui = provision_ui(&root, &vendor, &tools, &ui_cache);
+        let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
+        let build_dir = cmake_build(&root, &src, &pin, &work, "sdq-tools");
+        (src, build_dir)
+    } else {
+        // A first build: the chat page (a Node.js fetch, npm's packages and
+        // Vite, about two minutes on 2 cores, much of it waiting on the
+        // network) builds while cmake compiles everything but the server
+        // and the CLI, which embed the page; they follow once it is there.
+        thread::scope(|s| {
+            let page = s.spawn(|| provision_ui(&root, &vendor, &tools, &ui_cache));
+            let src = stage_patched_tree(&root, &vendor, &work, None);
+            cmake_build(&root, &src, &pin, &work, "sdq-tools-but-server");
+            let ui = page.join().unwrap_or_else(|_| fail("building llama-server's chat page panicked"));
+            if let Some(ui) = &ui {
+                copy_tree(ui, &src.join("tools/ui/dist"), false);
+            }
+            let build_dir = cmake_build(&root, &src, &pin, &work, "sdq-tools");
+            (src, build_dir)
+        })
+    };
     compile_shims(&root);
     generate_bindings(&root, &src, &out, clang_includes.as_deref());
     // Before link()'s: the linker takes arguments in order, and the shared
@@ -417,23 +441,17 @@ fn ensure_vendor(root: &Path, _pin: &Pin) -> PathBuf {
 /// answers `/` with 404, as upstream's does built without its UI).
 fn provision_ui(root: &Path, vendor: &Path, tools: &BuildTools, cache: &Path) -> Option<PathBuf> {
     let dist = cache.join("dist");
-    // The page is rebuilt when the pin or a patch of tools/ui changes.
-    let patches = ui_patches(root);
-    let mut key = fs::read(root.join("vendor/llama.cpp.pin")).unwrap_or_default();
-    for p in &patches {
-        key.extend(fs::read(p).unwrap_or_default());
-    }
-    let key = format!("{:016x}\n", fnv1a(&key));
+    let key = ui_key(root);
     let key_file = cache.join("dist.key");
     let node = tools.node();
     if let Ok(node) = &node {
         // The tests drive the page in a browser with the same Node.js.
         println!("cargo:rustc-env=SDQ_NODE={}", node.node.display());
     }
-    if dist.join("index.html").is_file() && fs::read_to_string(&key_file).ok().as_deref() == Some(key.as_str()) {
+    if ui_is_built(root, cache) {
         return Some(dist);
     }
-    let built = node.and_then(|node| build_ui(&vendor.join("tools/ui"), &patches, cache, &dist, &node));
+    let built = node.and_then(|node| build_ui(&vendor.join("tools/ui"), &ui_patches(root), cache, &dist, &node));
     match built {
         Ok(()) => {
             let _ = fs::write(&key_file, key);
@@ -444,6 +462,21 @@ fn provision_ui(root: &Path, vendor: &Path, tools: &BuildTools, cache: &Path) ->
             None
         }
     }
+}
+
+/// What the page is built from: the pin and the patches of tools/ui. The
+/// page is rebuilt when it changes.
+fn ui_key(root: &Path) -> String {
+    let mut key = fs::read(root.join("vendor/llama.cpp.pin")).unwrap_or_default();
+    for p in &ui_patches(root) {
+        key.extend(fs::read(p).unwrap_or_default());
+    }
+    format!("{:016x}\n", fnv1a(&key))
+}
+
+/// True when `cache` holds the page built from what the tree pins now.
+fn ui_is_built(root: &Path, cache: &Path) -> bool {
+    cache.join("dist/index.html").is_file() && fs::read_to_string(cache.join("dist.key")).ok().as_deref() == Some(ui_key(root).as_str())
 }
 
 /// The patches that change the chat page's source (they name tools/ui/).
@@ -593,13 +626,9 @@ fn sync_tree(from: &Path, to: &Path) {
     }
 }
 
-/// Configures and builds the wrapper project (shim/CMakeLists.txt) over the
-/// patched tree; returns the cmake build directory.
-fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, cmake_exe: Option<&Path>) -> PathBuf {
-    // The cmake crate runs $CMAKE, else `cmake` from PATH.
-    if let Some(exe) = cmake_exe {
-        env::set_var("CMAKE", exe);
-    }
+/// Configures the wrapper project (shim/CMakeLists.txt) over the patched
+/// tree and builds `target` of it; returns the cmake build directory.
+fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, target: &str) -> PathBuf {
     let native = env::var("SDQ_GGML_NATIVE").map(|v| v != "0" && v != "OFF").unwrap_or(true);
     let amx = env::var("SDQ_GGML_AMX").is_ok_and(|v| v == "1" || v == "ON");
     let mut cfg = cmake::Config::new(root.join("shim"));
@@ -630,7 +659,7 @@ fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, cmake_exe: Optio
         .define("LLAMA_ALL_WARNINGS", "OFF")
         .define("LLAMA_BUILD_NUMBER", "1")
         .define("LLAMA_BUILD_COMMIT", &pin.commit[..7])
-        .build_target("sdq-tools");
+        .build_target(target);
     let ninja = Command::new("ninja").arg("--version").output().is_ok_and(|o| o.status.success());
     if ninja {
         cfg.generator("Ninja");
