@@ -15,6 +15,14 @@ import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import path from 'node:path';
 
+// Windows-1252's characters at bytes 0x80-0x9f (the rest are Latin-1's).
+const WINDOWS_1252 = new Map(
+	[0x20ac, 0, 0x201a, 0x192, 0x201e, 0x2026, 0x2020, 0x2021, 0x2c6, 0x2030, 0x160, 0x2039, 0x152, 0, 0x17d, 0,
+	 0, 0x2018, 0x2019, 0x201c, 0x201d, 0x2022, 0x2013, 0x2014, 0x2dc, 0x2122, 0x161, 0x203a, 0x153, 0, 0x17e, 0x178]
+		.map((c, i) => [c, 0x80 + i])
+		.filter(([c]) => c !== 0)
+);
+
 const config = JSON.parse(fs.readFileSync(process.argv[2], 'utf8'));
 const require = createRequire(path.join(config.playwright, 'package.json'));
 const { chromium } = require(config.playwright);
@@ -52,7 +60,7 @@ try {
 		await input.fill(turn.message);
 		await input.press('Enter');
 		const response = await responded;
-		const body = await response.text();
+		const body = asSent(await response.text());
 		const result = {
 			message: turn.message,
 			request: JSON.parse(response.request().postData()),
@@ -91,6 +99,24 @@ try {
 	await browser.close();
 }
 process.stdout.write(JSON.stringify({ turns: results }));
+
+/**
+ * The body as the server sent it (UTF-8). Chromium hands DevTools, and so
+ * Playwright, an event stream without a charset decoded as Windows-1252,
+ * which makes any non-ASCII answer mojibake; each character is mapped back
+ * to its byte. A body with a character Windows-1252 has not was decoded
+ * right already, and is returned as it is.
+ */
+function asSent(text) {
+	const bytes = [];
+	for (const ch of text) {
+		const c = ch.codePointAt(0);
+		const b = c < 0x80 || (c >= 0xa0 && c <= 0xff) ? c : (WINDOWS_1252.get(c) ?? (c >= 0x80 && c < 0xa0 ? c : undefined));
+		if (b === undefined) return text;
+		bytes.push(b);
+	}
+	return new TextDecoder('utf-8').decode(Uint8Array.from(bytes));
+}
 
 /** The answer's text: the SSE stream's content deltas, joined. */
 function streamedContent(body) {

@@ -18,7 +18,7 @@ fn tensor<'a>(ts: &'a [sdq::engine::model::gguf::TensorInfo], name: &str) -> &'a
 
 #[test]
 fn tiny_has_the_qwen35moe_layout() {
-    let g = Gguf::open(tiny()).unwrap();
+    let g = Gguf::open(tiny_preset()).unwrap();
     assert_eq!(g.get("general.architecture"), Some(Value::Str("qwen35moe".into())));
     assert_eq!(g.get("qwen35moe.block_count").and_then(|v| v.as_u64()), Some(8));
     // Full attention every 4th layer: layers 3 and 7.
@@ -48,7 +48,7 @@ fn tiny_has_the_qwen35moe_layout() {
     let sizes: std::collections::BTreeSet<u64> = (0..8).map(|il| tensor(&ts, &format!("blk.{il}.ffn_down_exps.weight")).size / 16).collect();
     assert_eq!(sizes.len(), 2, "expert down sizes {sizes:?}");
     // Tensors lie inside the file, aligned, without overlap.
-    let len = std::fs::metadata(tiny()).unwrap().len();
+    let len = std::fs::metadata(tiny_preset()).unwrap().len();
     let mut spans: Vec<(u64, u64)> = ts.iter().map(|t| (t.offset, t.offset + t.size)).collect();
     spans.sort();
     assert!(spans.windows(2).all(|w| w[0].1 <= w[1].0) && spans.last().unwrap().1 <= len);
@@ -57,7 +57,7 @@ fn tiny_has_the_qwen35moe_layout() {
 
 #[test]
 fn same_seed_same_bytes_other_seed_other_bytes() {
-    let a = std::fs::read(tiny()).unwrap();
+    let a = std::fs::read(tiny_preset()).unwrap();
     let b = std::fs::read(gen_model("tiny-again.gguf", &["--preset", "tiny", "--seed", "1", "--threads", "1"])).unwrap();
     assert!(a == b, "same seed, different files (thread count must not matter)");
     let c = std::fs::read(gen_model("tiny-seed2.gguf", &["--preset", "tiny", "--seed", "2"])).unwrap();

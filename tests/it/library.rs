@@ -121,7 +121,7 @@ fn c_program() -> PathBuf {
 #[test]
 fn a_c_program_linked_with_libllama_pages_under_a_budget() {
     let exe = c_program();
-    let model = tiny();
+    let model = tiny_preset();
     let greedy = |env: &[(&str, &str)]| {
         let o = run(Command::new(&exe).args([model.to_str().unwrap(), "24", PROMPT]).env_remove("SDQ_RAM_BUDGET").envs(env.iter().copied()), 300);
         assert!(o.status.success(), "{}", stderr(&o));
@@ -182,7 +182,7 @@ fn venv() -> PathBuf {
 #[test]
 fn llama_cpp_python_pages_under_a_budget() {
     let python = venv();
-    let model = tiny();
+    let model = tiny_preset();
     let script = r#"
 import sys
 from llama_cpp import Llama
@@ -219,7 +219,7 @@ sys.stdout.write(out["choices"][0]["text"])
 #[test]
 fn llama_cpp_python_server_answers_under_a_budget() {
     let python = venv();
-    let model = tiny();
+    let model = tiny_preset();
     let body = r#"{"messages":[{"role":"user","content":"Hello there"}],"max_tokens":12,"top_k":1,"temperature":0,"repeat_penalty":1.0}"#;
     let answer = |env: &[(&str, &str)]| -> String {
         let port = free_port();
@@ -264,7 +264,7 @@ fn llama_cpp_python_server_answers_under_a_budget() {
 #[test]
 fn errors_inside_a_c_program_are_the_programs() {
     let exe = c_program();
-    let model = tiny();
+    let model = tiny_preset();
     let greedy = |model: &Path, env: &[(&str, &str)]| {
         let o = run(Command::new(&exe).args([model.to_str().unwrap(), "8", PROMPT]).env_remove("SDQ_RAM_BUDGET").envs(env.iter().copied()), 300);
         (o.status.code(), stderr(&o))
@@ -306,7 +306,7 @@ fn errors_inside_a_c_program_are_the_programs() {
 #[test]
 fn errors_inside_llama_cpp_python_are_exceptions() {
     let python = venv();
-    let model = tiny();
+    let model = tiny_preset();
     let bad = scratch().join("library-python-truncated.gguf");
     let bytes = std::fs::read(model).unwrap();
     std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
