@@ -39,7 +39,8 @@ const CASES: &[Case] = &[
     Case { name: "llama", args: &["--arch", "llama"], experts: 8, paged_layers: 4 },
 ];
 
-/// The family's 4-layer model, generated once per run.
+/// The family's 4-layer model (with the tests' small vocabulary), generated
+/// once per run.
 pub fn family_model(name: &str) -> PathBuf {
     let case = CASES.iter().find(|c| c.name == name).unwrap_or_else(|| panic!("no family case {name}"));
     let file = format!("family-{name}.gguf");
@@ -47,7 +48,7 @@ pub fn family_model(name: &str) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     if !path.exists() {
-        gen_model(&file, &[case.args, &["--layers", "4", "--seed", "7"]].concat());
+        gen_model(&file, &[case.args, &["--layers", "4", "--seed", "7"], &SMALL_VOCAB].concat());
     }
     path
 }
