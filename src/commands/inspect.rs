@@ -1,6 +1,10 @@
 //! `sdq inspect`: a model's memory accounting from its own metadata: routed
 //! experts against what stays resident, per-layer expert types and sizes, the
 //! slot classes, one token's working set, and how a RAM budget would be split.
+//!
+//! Just over 600 lines: the accounting (model metadata, context and process
+//! memory, slots, the budget's split) and its two renderings, JSON and text,
+//! which read the same figures.
 
 use crate::engine::ffi::ggml::WeightLayout;
 use crate::engine::memory::budget::{self, human, MIB};

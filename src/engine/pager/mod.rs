@@ -17,6 +17,11 @@
 //!   other use of that expert reads it again;
 //! - a retired slot (`set_slots`, memory pressure) is never given to an
 //!   expert; once unpinned it holds none and its pages are the kernel's.
+//!
+//! Just over 600 lines: the pager's state machine (acquire, prepare,
+//! prefetch, release) sits in one file so that its invariants read in one
+//! place; the arena, the reader pool, the policy and residency are its own
+//! modules beside it.
 
 pub mod arena;
 mod counts;
