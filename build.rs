@@ -66,7 +66,7 @@ fn main() {
     }
     let clang_includes = tools.libclang();
     let ui_cache = beside.join("ui");
-    let (src, build_dir) = if ui_is_built(&root, &ui_cache) {
+    let (src, build_dir) = if ui_is_built(&ui_cache, &ui_key(&root)) {
         let ui = provision_ui(&root, &vendor, &tools, &ui_cache);
         let src = stage_patched_tree(&root, &vendor, &work, ui.as_deref());
         let build_dir = cmake_build(&root, &src, &pin, &work, "sdq-tools");
@@ -448,7 +448,7 @@ fn provision_ui(root: &Path, vendor: &Path, tools: &BuildTools, cache: &Path) ->
         // The tests drive the page in a browser with the same Node.js.
         println!("cargo:rustc-env=SDQ_NODE={}", node.node.display());
     }
-    if ui_is_built(root, cache) {
+    if ui_is_built(cache, &key) {
         return Some(dist);
     }
     let built = node.and_then(|node| build_ui(&vendor.join("tools/ui"), &ui_patches(root), cache, &dist, &node));
@@ -474,9 +474,9 @@ fn ui_key(root: &Path) -> String {
     format!("{:016x}\n", fnv1a(&key))
 }
 
-/// True when `cache` holds the page built from what the tree pins now.
-fn ui_is_built(root: &Path, cache: &Path) -> bool {
-    cache.join("dist/index.html").is_file() && fs::read_to_string(cache.join("dist.key")).ok().as_deref() == Some(ui_key(root).as_str())
+/// True when `cache` holds the page built from what `key` (ui_key) names.
+fn ui_is_built(cache: &Path, key: &str) -> bool {
+    cache.join("dist/index.html").is_file() && fs::read_to_string(cache.join("dist.key")).ok().as_deref() == Some(key)
 }
 
 /// The patches that change the chat page's source (they name tools/ui/).

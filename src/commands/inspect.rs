@@ -71,14 +71,11 @@ impl ModelMeta {
     fn read(g: &Gguf, arch: &str) -> ModelMeta {
         let key = |k: &str| g.get(&format!("{arch}.{k}")).and_then(|v| v.as_u64());
         let blocks = key("block_count").unwrap_or(0) as u32;
-        let n_vocab = match g.get("tokenizer.ggml.tokens") {
+        let entries = |k: &str| match g.get(k) {
             Some(crate::engine::model::gguf::Value::Array(a)) => a.len() as u64,
             _ => 0,
         };
-        let n_merges = match g.get("tokenizer.ggml.merges") {
-            Some(crate::engine::model::gguf::Value::Array(a)) => a.len() as u64,
-            _ => 0,
-        };
+        let (n_vocab, n_merges) = (entries("tokenizer.ggml.tokens"), entries("tokenizer.ggml.merges"));
         ModelMeta {
             n_trunk: blocks.saturating_sub(key("nextn_predict_layers").unwrap_or(0) as u32),
             n_blocks: blocks,

@@ -111,7 +111,9 @@ function asSent(text) {
 	const bytes = [];
 	for (const ch of text) {
 		const c = ch.codePointAt(0);
-		const b = c < 0x80 || (c >= 0xa0 && c <= 0xff) ? c : (WINDOWS_1252.get(c) ?? (c >= 0x80 && c < 0xa0 ? c : undefined));
+		// Latin-1's characters (and the five bytes Windows-1252 leaves undefined,
+		// passed through as themselves) are their bytes.
+		const b = c <= 0xff ? c : WINDOWS_1252.get(c);
 		if (b === undefined) return text;
 		bytes.push(b);
 	}

@@ -48,7 +48,7 @@ pub fn family_model(name: &str) -> PathBuf {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _guard = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     if !path.exists() {
-        gen_model(&file, &[case.args, &["--layers", "4", "--seed", "7"], &SMALL_VOCAB].concat());
+        gen_model(&file, &small_vocab(&[case.args, &["--layers", "4", "--seed", "7"]].concat()));
     }
     path
 }

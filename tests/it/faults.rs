@@ -168,7 +168,7 @@ fn a_model_file_changed_while_running() {
             let len = std::fs::metadata(&model).unwrap().len();
             std::fs::OpenOptions::new().write(true).open(&model).unwrap().set_len(len / 2).unwrap();
         } else {
-            let other = gen_model(&format!("tiny-other-{how}.gguf"), &[&["--preset", "tiny", "--seed", "9"][..], &SMALL_VOCAB].concat());
+            let other = gen_model(&format!("tiny-other-{how}.gguf"), &small_vocab(&["--preset", "tiny", "--seed", "9"]));
             let tmp = scratch().join("replacement.tmp");
             std::fs::copy(other, &tmp).unwrap();
             std::fs::rename(&tmp, &model).unwrap();

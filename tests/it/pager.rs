@@ -214,10 +214,10 @@ fn identical_to_stock_with_the_tiled_kernel() {
 
 #[test]
 fn fused_gate_up_and_qwen3moe_are_identical_to_stock() {
-    let fused = gen_model("pager-fused.gguf", &[&["--preset", "tiny", "--fused-gate-up", "--layers", "4", "--seed", "5"][..], &SMALL_VOCAB].concat());
+    let fused = gen_model("pager-fused.gguf", &small_vocab(&["--preset", "tiny", "--fused-gate-up", "--layers", "4", "--seed", "5"]));
     let q3 = gen_model(
         "pager-qwen3moe.gguf",
-        &[&["--preset", "tiny", "--arch", "qwen3moe", "--layers", "4", "--experts", "32", "--top-k", "4", "--seed", "6"][..], &SMALL_VOCAB].concat(),
+        &small_vocab(&["--preset", "tiny", "--arch", "qwen3moe", "--layers", "4", "--experts", "32", "--top-k", "4", "--seed", "6"]),
     );
     for (m, tag) in [(&fused, "fused"), (&q3, "qwen3moe")] {
         for (flags, repack) in REPACK {
@@ -262,7 +262,7 @@ fn other_expert_types_are_paged_identically() {
     ];
     let mut differ = Vec::new();
     for &(ty, repacked) in types {
-        let m = gen_model(&format!("pager-{ty}.gguf"), &[&["--preset", "tiny", "--layers", "4", "--expert-type", ty][..], &SMALL_VOCAB].concat());
+        let m = gen_model(&format!("pager-{ty}.gguf"), &small_vocab(&["--preset", "tiny", "--layers", "4", "--expert-type", ty]));
         let ubatches: &[&str] = if repacked.is_some() { &["1", "8", "512"] } else { &["1", "512"] };
         for &ubatch in ubatches {
             let prompt_args: &[&str] = if ubatch == "1" { &["-p", "The quick brown fox"] } else { &["--prompt-file", prompt.to_str().unwrap()] };
@@ -502,7 +502,7 @@ fn bad_budgets_are_clear_errors() {
 fn unsupported_expert_type_is_named_at_load() {
     // An f32 expert tensor relabelled i32 (same size): a valid GGUF whose
     // expert type ggml's CPU backend cannot multiply.
-    let m = gen_model("pager-f32.gguf", &[&["--preset", "tiny", "--layers", "4", "--expert-type", "f32"][..], &SMALL_VOCAB].concat());
+    let m = gen_model("pager-f32.gguf", &small_vocab(&["--preset", "tiny", "--layers", "4", "--expert-type", "f32"]));
     let mut bytes = std::fs::read(&m).unwrap();
     let name = b"blk.1.ffn_down_exps.weight";
     let at = bytes.windows(name.len()).position(|w| w == name).unwrap() + name.len();

@@ -412,7 +412,7 @@ fn drafting_under_a_budget_answers_as_stock() {
 #[test]
 fn a_draft_model_with_experts_is_paged_beside_the_target() {
     let model = tiny().to_str().unwrap();
-    let draft = TempModel::generate("draft-q8.gguf", &[&["--preset", "tiny", "--seed", "1", "--expert-type", "q8_0"][..], &SMALL_VOCAB].concat());
+    let draft = TempModel::generate("draft-q8.gguf", &small_vocab(&["--preset", "tiny", "--seed", "1", "--expert-type", "q8_0"]));
     let draft = draft.to_str().unwrap();
     let prompts = ["The rivers and the mountains and the rivers", "Count: one two three four one two"];
     let args = ["-m", model, "-md", draft, "--spec-type", "draft-simple", "--spec-draft-n-max", "4", "--metrics"];
@@ -498,7 +498,7 @@ fn a_draft_model_with_experts_is_paged_beside_the_target() {
 /// tokens the trunk rarely accepts: the test is of the mechanics.
 #[test]
 fn mtp_drafting_under_a_budget_answers_as_stock() {
-    let model = gen_model("tiny-mtp.gguf", &[&["--preset", "tiny", "--seed", "1", "--nextn", "1"][..], &SMALL_VOCAB].concat());
+    let model = gen_model("tiny-mtp.gguf", &small_vocab(&["--preset", "tiny", "--seed", "1", "--nextn", "1"]));
     let model = model.to_str().unwrap();
     let prompts = ["The rivers and the mountains", "Count: one two three"];
     let args = ["-m", model, "--no-warmup", "--metrics", "--spec-type", "draft-mtp"];

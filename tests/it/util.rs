@@ -69,11 +69,16 @@ impl Drop for TempModel {
 pub const SMALL_VOCAB: [&str; 4] =
     ["--vocab", "32000", "--vocab-file", concat!(env!("CARGO_MANIFEST_DIR"), "/vendor/llama.cpp/models/ggml-vocab-llama-spm.gguf")];
 
+/// `sdq gen-model` options `args` with SMALL_VOCAB after them.
+pub fn small_vocab<'a>(args: &[&'a str]) -> Vec<&'a str> {
+    [args, &SMALL_VOCAB].concat()
+}
+
 /// The `tiny` preset model with SMALL_VOCAB, generated once per test run
 /// (genmodel.rs checks the preset as it is).
 pub fn tiny() -> &'static Path {
     static TINY: OnceLock<PathBuf> = OnceLock::new();
-    TINY.get_or_init(|| gen_model("tiny.gguf", &[&["--preset", "tiny", "--seed", "1"][..], &SMALL_VOCAB].concat()))
+    TINY.get_or_init(|| gen_model("tiny.gguf", &small_vocab(&["--preset", "tiny", "--seed", "1"])))
 }
 
 /// The `tiny` preset as a user gets it: Qwen3.5's vocabulary and chat
