@@ -187,7 +187,7 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
         if !(c.is_finite() && c > 0.0 && c < 1e6) {
             return Err(sdq::Error::invalid(format!("--cycles: '{c}' is not a positive multiple")));
         }
-        sizes.push((c * trace.token_cycle() as f64) as u64);
+        sizes.push((c * sdq::commands::replay::token_cycle(&trace) as f64) as u64);
     }
     sizes.sort_unstable();
     sizes.dedup();

@@ -378,7 +378,9 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
         })
         .collect();
     let per_layer_set: Vec<u64> = layout.layers.values().map(|l| (l.expert_bytes * top_k) as u64).collect();
-    let token_cycle: u64 = per_layer_set.iter().sum();
+    let token_read: u64 = per_layer_set.iter().sum();
+    // The arena counts a token cycle in slots, as the pager and replay do.
+    let token_cycle = layout.token_cycle_bytes(top_k);
     let o = report.as_object_mut().expect("object");
     o.insert("layers".into(), json!(layers));
     o.insert(
@@ -398,8 +400,9 @@ pub fn inspect_run(model: &Path, plan: &RunPlan) -> Result<Value> {
     o.insert(
         "token_working_set".into(),
         json!({
-            "per_layer_mean_bytes": token_cycle / per_layer_set.len() as u64,
+            "per_layer_mean_bytes": token_read / per_layer_set.len() as u64,
             "per_layer_max_bytes": per_layer_set.iter().max(),
+            "token_read_bytes": token_read,
             "token_cycle_bytes": token_cycle,
         }),
     );
@@ -535,9 +538,10 @@ pub fn render(r: &Value) -> String {
         }
         let w = &r["token_working_set"];
         line(format!(
-            "one token's experts: {} per layer on average, {} at most; {} for all layers (one token cycle)",
+            "one token's experts: {} per layer on average, {} at most; {} for all layers, {} of slots in the arena (one token cycle)",
             human(u(&w["per_layer_mean_bytes"])),
             human(u(&w["per_layer_max_bytes"])),
+            human(u(&w["token_read_bytes"])),
             human(u(&w["token_cycle_bytes"]))
         ));
     }

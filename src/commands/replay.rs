@@ -82,6 +82,12 @@ pub fn layout_of(trace: &Trace) -> Layout {
     Layout::from_sizes(trace.layers.values().map(|l| (l.layer, l.experts, l.bytes as usize, l.slot as usize)))
 }
 
+/// One token cycle of the trace's geometry in arena bytes (slots, as the
+/// pager counts them): `--cycles` and every `cycles` figure are in these.
+pub fn token_cycle(trace: &Trace) -> u64 {
+    layout_of(trace).token_cycle_bytes(trace.top_k)
+}
+
 /// The slot classes the pager plans for an arena of `arena_bytes`.
 pub fn plan(trace: &Trace, layout: &Layout, arena_bytes: u64) -> Result<Vec<SlotClass>> {
     let slots = layout.plan_slots(arena_bytes, trace.top_k)?;
@@ -310,18 +316,18 @@ pub struct Prediction {
 /// `trace` replayed through `policy` for a model laid out as `model` (top-`top_k`)
 /// with an arena of `arena_bytes`: its decode hit rate and bytes read per token.
 pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, policy: PolicyKind) -> Result<Prediction> {
-    let model_cycle: u64 = model.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum();
+    let model_read: u64 = model.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum();
     let same_geometry = trace.top_k == top_k
         && trace.layers.len() == model.layers.len()
         && trace.layers.values().zip(model.layers.values()).all(|(t, m)| t.layer == m.layer && t.experts == m.n_expert && t.bytes as usize == m.expert_bytes);
-    let cycles = arena_bytes as f64 / model_cycle.max(1) as f64;
+    let cycles = arena_bytes as f64 / model.token_cycle_bytes(top_k).max(1) as f64;
     let layout = layout_of(trace);
     let replayed = if same_geometry {
         arena_bytes
     } else {
         // At least the trace's own one-layer minimum: a model whose arena
         // holds less than that geometry's would run below it.
-        ((cycles * trace.token_cycle() as f64) as u64).max(layout.min_arena_bytes(trace.top_k))
+        ((cycles * layout.token_cycle_bytes(trace.top_k) as f64) as u64).max(layout.min_arena_bytes(trace.top_k))
     };
     let classes = plan(trace, &layout, replayed)?;
     let tally = replay(trace, &layout, &classes, policy, 0);
@@ -330,7 +336,8 @@ pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, po
         return Err(Error::invalid("the trace has no decode steps to predict from".to_string()));
     }
     let per_token = tally.decode_bytes_read as f64 / decode_steps as f64;
-    let scale = if same_geometry { 1.0 } else { model_cycle as f64 / trace.token_cycle().max(1) as f64 };
+    // Reads scale with the experts' bytes, not their slots.
+    let scale = if same_geometry { 1.0 } else { model_read as f64 / trace.token_read_bytes().max(1) as f64 };
     Ok(Prediction {
         same_geometry,
         cycles,
@@ -419,7 +426,10 @@ pub struct Report {
     pub layers: usize,
     pub prompt_steps: u64,
     pub decode_steps: u64,
+    /// One token cycle in arena bytes ([`token_cycle`]).
     pub token_cycle: u64,
+    /// What one token reads when nothing is held (Σ top-k × bytes per expert).
+    pub token_read_bytes: u64,
     /// Batches before this step were replayed but not counted.
     pub judged_from: u64,
     pub outcomes: Vec<Outcome>,
@@ -438,7 +448,8 @@ impl Report {
             layers: trace.layers.len(),
             prompt_steps: steps.iter().filter(|s| s.1 == Phase::Prompt).count() as u64,
             decode_steps: steps.iter().filter(|s| s.1 == Phase::Decode).count() as u64,
-            token_cycle: trace.token_cycle(),
+            token_cycle: token_cycle(trace),
+            token_read_bytes: trace.token_read_bytes(),
             judged_from,
             outcomes,
         })
@@ -455,7 +466,7 @@ impl Report {
     pub fn render(&self) -> String {
         use crate::engine::memory::budget::human;
         let mut out = format!(
-            "{}: {} paged layers, top-{}, {} prompt and {} decode steps; token cycle {} (Σ top-k × bytes per expert)\n",
+            "{}: {} paged layers, top-{}, {} prompt and {} decode steps; token cycle {} (Σ top-k × arena slot per expert)\n",
             self.trace,
             self.layers,
             self.top_k,
@@ -539,6 +550,7 @@ impl Report {
             "prompt_steps": self.prompt_steps,
             "decode_steps": self.decode_steps,
             "token_cycle_bytes": self.token_cycle,
+            "token_read_bytes": self.token_read_bytes,
             "judged_from_step": self.judged_from,
             "results": self.outcomes.iter().map(|o| json!({
                 "arena_bytes": o.arena_bytes,
@@ -643,7 +655,7 @@ mod tests {
             let layout = layout_of(&t);
             let min = layout.min_arena_bytes(t.top_k);
             for cycles in [0.25, 0.5, 1.0, 1.5, 2.0, 4.0, 8.0, 100.0] {
-                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let arena = ((cycles * token_cycle(&t) as f64) as u64).max(min);
                 let o = run(&t, arena, &PolicyKind::ALL).unwrap();
                 let lookups: u64 = t.batches.iter().map(|b| b.experts.len() as u64).sum();
                 assert_eq!(o.belady.hits + o.belady.misses, lookups);
@@ -668,7 +680,7 @@ mod tests {
             let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 400);
             let min = layout_of(&t).min_arena_bytes(t.top_k);
             for cycles in [1.0, 1.5, 2.0, 4.0] {
-                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let arena = ((cycles * token_cycle(&t) as f64) as u64).max(min);
                 let o = run(&t, arena, &[PolicyKind::FreqAuto, PolicyKind::FreqShares, PolicyKind::Freq]).unwrap();
                 let [auto, shares, freq] = [0, 1, 2].map(|i| o.policies[i].1.hits);
                 shares_ahead += (shares > freq) as u32;
@@ -691,7 +703,7 @@ mod tests {
             let t = shifting(seed, 4, 128, 4, 600, 8);
             let min = layout_of(&t).min_arena_bytes(t.top_k);
             for cycles in [2.0, 4.0, 8.0, 16.0] {
-                let arena = ((cycles * t.token_cycle() as f64) as u64).max(min);
+                let arena = ((cycles * token_cycle(&t) as f64) as u64).max(min);
                 let o = run(&t, arena, &[PolicyKind::FreqAuto, PolicyKind::Freq, PolicyKind::Lru]).unwrap();
                 let [auto, freq, lru] = [0, 1, 2].map(|i| o.policies[i].1.decode_hits);
                 freq_behind += (freq * 100 < lru * 95) as u32;
@@ -706,7 +718,7 @@ mod tests {
         for seed in 0..6 {
             let t = random(seed, 2 + seed as u32 % 5, 8 + 8 * (seed as u32 % 4), 1 + seed as u32 % 4, 120);
             let min = layout_of(&t).min_arena_bytes(t.top_k);
-            let arena = (2 * t.token_cycle()).max(min);
+            let arena = (2 * token_cycle(&t)).max(min);
             let told = [0, 1_000_000].map(|batches| ToldAhead { batches, recall: 1.0 });
             let o = run_judged(&t, arena, &[PolicyKind::default()], 0, &told).unwrap();
             let default = o.policies[0].1.hits;
@@ -722,10 +734,10 @@ mod tests {
     #[test]
     fn lru_falls_off_the_cycle_and_belady_does_not() {
         let t = cyclic(4, 50);
-        assert_eq!(t.token_cycle(), 4 * 2 * 4096);
+        assert_eq!(token_cycle(&t), 4 * 2 * 4096);
         // At one token cycle (8 slots for 4 layers' 2 experts) LRU keeps
         // each layer's last two experts: expert 0 is a hit.
-        let o = run(&t, t.token_cycle(), &[PolicyKind::Lru]).unwrap();
+        let o = run(&t, token_cycle(&t), &[PolicyKind::Lru]).unwrap();
         assert_eq!(o.slots, vec![(4096, 8)]);
         let lru = o.policies[0].1;
         assert_eq!((lru.hits, lru.misses), (4 * 49, 400 - 4 * 49));

@@ -30,7 +30,7 @@ fn inspect_accounts_for_the_tiny_model() {
         assert_eq!(l["bytes_per_expert"], if q6 { large } else { small }, "layer {il}");
     }
     let w = &r["token_working_set"];
-    assert_eq!(w["token_cycle_bytes"], 4 * (4 * small + 4 * large));
+    assert_eq!(w["token_read_bytes"], 4 * (4 * small + 4 * large));
     assert_eq!(w["per_layer_max_bytes"], 4 * large);
     // Everything that is not a routed expert is resident; together with the
     // header they make up the file.

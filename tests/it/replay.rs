@@ -103,7 +103,8 @@ fn the_default_policy_beats_lru_at_one_token_cycle_and_never_loses_to_it() {
         eprintln!("{c} cycles: freq-auto {:.1} %, freq {:.1} %, lru {:.1} %, Bélády {belady:.1} %", pct("freq-auto"), pct("freq"), pct("lru"));
         assert!(pct("freq-auto") <= belady && pct("lru") <= belady, "{c} cycles: above the optimum: {r}");
         if c == 1.0 {
-            assert!(pct("freq-auto") >= pct("lru") + 15.0, "one token cycle: {r}");
+            // Measured +7.7 points (54.2 against 46.5 %).
+            assert!(pct("freq-auto") >= pct("lru") + 5.0, "one token cycle: {r}");
         }
         if c >= 1.0 {
             assert!(pct("freq-auto") >= pct("lru") - 1.0, "{c} cycles: {r}");
@@ -279,9 +280,11 @@ fn on_a_trained_models_routing_the_default_policy_holds_its_share_of_the_gap() {
     }
     let mean = judged_shares.iter().sum::<f64>() / judged_shares.len() as f64;
     eprintln!("default policy, judged on steps 65-128: shares of the LRU → Bélády gap at 1-4 token cycles {judged_shares:.1?}, mean {mean:.1} %");
-    // Measured 35.9 % with LRU among the default's ways (35.1 % before;
-    // freq: 23.4 %): it may rise, not fall.
-    assert!(mean >= 35.5, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 35.9 %)");
+    // Measured 32.1 % with token cycles counted in the arena's slots; 35.9 %
+    // when they were counted in expert bytes, which put the arena at "1.0
+    // cycles" one slot short of a token's experts, on LRU's cliff (LRU 29.5
+    // against 35.6 %). It may rise, not fall.
+    assert!(mean >= 31.7, "the default policy closes {mean:.1} % of the gap at 1-4 token cycles (was 32.1 %)");
 }
 
 /// `sdq inspect --trace` with another geometry's routing (the trained
@@ -303,14 +306,15 @@ fn inspect_projects_a_trained_trace_onto_another_geometry() {
     let (b, p) = (&r["budget"], &r["budget"]["prediction"]);
     assert_eq!(p["kind"], "projection", "{p}");
     let cycles = b["token_cycles_held"].as_f64().unwrap();
-    let model_cycle = u(&r["token_working_set"], "token_cycle_bytes") as f64;
+    let model_read = u(&r["token_working_set"], "token_read_bytes") as f64;
     let at = &replay(&trace, &["--ram-budget", &u(p, "replayed_arena_bytes").to_string(), "--policy", "freq-auto"])["results"][0];
     let replayed = tally(at, "freq-auto");
     let trace_cycle = u(&replay(&trace, &["--cycles", "1"]), "token_cycle_bytes") as f64;
     assert!((u(p, "replayed_arena_bytes") as f64 / trace_cycle - cycles).abs() < 0.01, "replayed at {cycles:.3} cycles: {p}");
     assert!((p["decode_held_rate"].as_f64().unwrap() - replayed["decode_hit_pct"].as_f64().unwrap() / 100.0).abs() < 1e-9, "{p} vs {replayed}");
     let decode_steps = u(p, "decode_steps") as f64;
-    let mib = u(replayed, "decode_bytes_read") as f64 / decode_steps * model_cycle / trace_cycle / MIB as f64;
+    let trace_read = u(&replay(&trace, &["--cycles", "1"]), "token_read_bytes") as f64;
+    let mib = u(replayed, "decode_bytes_read") as f64 / decode_steps * model_read / trace_read / MIB as f64;
     assert!((p["decode_mib_read_per_token"].as_f64().unwrap() - mib).abs() < 1e-6, "{p}: {mib}");
     assert!((p["read_bound_tokens_per_second"].as_f64().unwrap() - 800.0 / mib).abs() < 1e-6, "{p}");
     // The text report says it is a projection.
@@ -330,9 +334,8 @@ fn inspect_projects_a_trained_trace_onto_another_geometry() {
 
 /// Decode hit % of LRU and Bélády at 0.5 to 8 token cycles.
 fn curves(trace: &Path) -> Vec<f64> {
-    // Not at exactly 1 cycle: there LRU's hit rate is a cliff that the
-    // arena's rounding to whole slots decides (the trained trace: 6.1 % at
-    // 0.95 cycles, 29.4 % at 1.00, 35.4 % at 1.05).
+    // Not at exactly 1 cycle: there LRU's hit rate is a cliff that one slot
+    // decides (the trained trace: 6.1 % at 0.95 cycles, 35.4 % at 1.00).
     let r = replay(trace, &["--cycles", "0.5,0.75,1.1,1.5,2,3,4,6,8", "--policy", "lru"]);
     let results = r["results"].as_array().unwrap();
     let lru = results.iter().map(|at| tally(at, "lru")["decode_hit_pct"].as_f64().unwrap());
@@ -343,9 +346,10 @@ fn curves(trace: &Path) -> Vec<f64> {
 /// that run far past RAM and the target's, a generated model's greedy decode
 /// replays close to the trained trace, and closer than the skewed default
 /// (whose decode falls into a loop of a few tokens that any cache of 2 token
-/// cycles holds). Measured (scripts/calibrate-routing, 16 layers): largest
-/// difference over LRU and Bélády at 0.5-8 cycles 4.9 points (qwen35moe),
-/// 7.0 (gpt-oss) and 7.3 (deepseek2).
+/// cycles holds). Measured (scripts/calibrate-routing, 16 layers, token
+/// cycles in the arena's slots): largest difference over LRU and Bélády at
+/// 0.5-8 cycles, on the mean of seeds 5-7, 3.4 points (qwen35moe), 3.4
+/// (gpt-oss) and 3.9 (deepseek2).
 #[test]
 fn trained_routing_replays_closer_to_a_trained_models_routing() {
     let trained = curves(&trained_trace());
@@ -377,7 +381,10 @@ fn trained_routing_replays_closer_to_a_trained_models_routing() {
             eprintln!("{arch}, {routing} routing: LRU and Bélády {c:.1?} (trained {trained:.1?}): largest difference {d:.1} points");
             distance.push(d);
         }
-        assert!(distance[0] <= 8.0, "{arch}: trained routing is {:.1} points from the trained trace", distance[0]);
+        // Seed 5 measured 3.2, 2.6 and 6.8 points (qwen35moe, gpt-oss,
+        // deepseek2); one seed's curves move by a few points, and the
+        // calibration judges the mean of three (3.4, 3.4, 3.9).
+        assert!(distance[0] <= 7.5, "{arch}: trained routing is {:.1} points from the trained trace", distance[0]);
         if let Some(&skewed) = distance.get(1) {
             assert!(distance[0] < skewed, "{arch}: trained routing is {:.1} points from the trained trace, skewed {skewed:.1}", distance[0]);
         }

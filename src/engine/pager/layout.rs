@@ -288,6 +288,15 @@ impl Layout {
         Ok(self.class_bytes.iter().copied().zip(counts).collect())
     }
 
+    /// One token cycle: the arena bytes one token's experts take when no two
+    /// tokens share any (Σ over layers of top-k × slot). The arena's size in
+    /// token cycles is how many tokens' experts its slots hold, as the pager
+    /// counts them; expert bytes would leave out the slots' padding, which
+    /// at small experts is a tenth of a cycle.
+    pub fn token_cycle_bytes(&self, top_k: usize) -> u64 {
+        self.layers.values().map(|l| (top_k * slot_bytes(self.class_bytes[l.class])) as u64).sum()
+    }
+
     /// The smallest arena that runs: one layer's top-k slots of each class.
     pub fn min_arena_bytes(&self, top_k: usize) -> u64 {
         self.class_bytes.iter().map(|&b| (top_k * slot_bytes(b)) as u64).sum()

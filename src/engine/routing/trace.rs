@@ -91,9 +91,9 @@ pub struct Trace {
 }
 
 impl Trace {
-    /// Σ over layers of top-k × bytes per expert: what one token's routed
-    /// experts take when no two tokens share any.
-    pub fn token_cycle(&self) -> u64 {
+    /// Σ over layers of top-k × bytes per expert: what one token reads when
+    /// the arena holds none of its experts.
+    pub fn token_read_bytes(&self) -> u64 {
         self.layers.values().map(|l| self.top_k as u64 * l.bytes).sum()
     }
 
@@ -365,7 +365,7 @@ mod tests {
         let t = Trace::open(&path).unwrap();
         assert_eq!(t.top_k, 2);
         assert_eq!(t.layers[&0], TraceLayer { layer: 0, bytes: 1000, experts: 4, slot: 4096 });
-        assert_eq!(t.token_cycle(), 2 * 3000);
+        assert_eq!(t.token_read_bytes(), 2 * 3000);
         let b: Vec<_> = t.batches.iter().map(|b| (b.step, b.phase, b.layer, b.experts.clone(), b.rows)).collect();
         assert_eq!(
             b,
