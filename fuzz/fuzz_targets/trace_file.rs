@@ -16,7 +16,8 @@ fuzz_target!(|data: &[u8]| {
     }
     let layout = sdq::commands::replay::layout_of(&trace);
     let min = layout.min_arena_bytes(trace.top_k);
-    for arena in [min, trace.token_cycle(), trace.token_cycle().saturating_mul(4)] {
+    let cycle = layout.token_cycle_bytes(trace.top_k);
+    for arena in [min, cycle, cycle.saturating_mul(4)] {
         if let Ok(o) = sdq::commands::replay::run(&trace, arena, &PolicyKind::ALL) {
             for (_, t) in &o.policies {
                 assert_eq!(t.hits + t.misses, lookups as u64);
