@@ -473,7 +473,7 @@ impl ModelSpec {
                 context_length: 262_144,
                 // Calibrated at full size (scripts/calibrate-routing --preset
                 // 35b-a3b): the family's tiny setting reused far more there.
-                preset_trained_routing: Some((0.5, 1.0, 0.0, 8.0)),
+                preset_trained_routing: Some((0.5, 1.0, 0.0, 9.0)),
                 ..tiny
             }),
             "gpt-oss-120b" | "gpt-oss-20b" => {
@@ -1126,7 +1126,7 @@ mod tests {
         tiny.set_arch(Arch::DeepSeek2);
         assert_eq!(tiny.trained_routing(), (0.1, 0.65, 10.0, 0.0));
         assert_eq!(ModelSpec::preset("gpt-oss-120b").unwrap().trained_routing(), (0.0, 0.5, 8.0, 1.0));
-        assert_eq!(ModelSpec::preset("35b-a3b").unwrap().trained_routing(), (0.5, 1.0, 0.0, 8.0));
+        assert_eq!(ModelSpec::preset("35b-a3b").unwrap().trained_routing(), (0.5, 1.0, 0.0, 9.0));
         assert_eq!(ModelSpec::preset("deepseek-v3").unwrap().trained_routing(), (1.0, 0.5, 8.0, 0.0));
     }
 
