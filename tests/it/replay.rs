@@ -309,11 +309,11 @@ fn inspect_projects_a_trained_trace_onto_another_geometry() {
     let model_read = u(&r["token_working_set"], "token_read_bytes") as f64;
     let at = &replay(&trace, &["--ram-budget", &u(p, "replayed_arena_bytes").to_string(), "--policy", "freq-auto"])["results"][0];
     let replayed = tally(at, "freq-auto");
-    let trace_cycle = u(&replay(&trace, &["--cycles", "1"]), "token_cycle_bytes") as f64;
+    let one_cycle = replay(&trace, &["--cycles", "1"]);
+    let (trace_cycle, trace_read) = (u(&one_cycle, "token_cycle_bytes") as f64, u(&one_cycle, "token_read_bytes") as f64);
     assert!((u(p, "replayed_arena_bytes") as f64 / trace_cycle - cycles).abs() < 0.01, "replayed at {cycles:.3} cycles: {p}");
     assert!((p["decode_held_rate"].as_f64().unwrap() - replayed["decode_hit_pct"].as_f64().unwrap() / 100.0).abs() < 1e-9, "{p} vs {replayed}");
     let decode_steps = u(p, "decode_steps") as f64;
-    let trace_read = u(&replay(&trace, &["--cycles", "1"]), "token_read_bytes") as f64;
     let mib = u(replayed, "decode_bytes_read") as f64 / decode_steps * model_read / trace_read / MIB as f64;
     assert!((p["decode_mib_read_per_token"].as_f64().unwrap() - mib).abs() < 1e-6, "{p}: {mib}");
     assert!((p["read_bound_tokens_per_second"].as_f64().unwrap() - 800.0 / mib).abs() < 1e-6, "{p}");
