@@ -316,7 +316,6 @@ pub struct Prediction {
 /// `trace` replayed through `policy` for a model laid out as `model` (top-`top_k`)
 /// with an arena of `arena_bytes`: its decode hit rate and bytes read per token.
 pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, policy: PolicyKind) -> Result<Prediction> {
-    let model_read: u64 = model.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum();
     let same_geometry = trace.top_k == top_k
         && trace.layers.len() == model.layers.len()
         && trace.layers.values().zip(model.layers.values()).all(|(t, m)| t.layer == m.layer && t.experts == m.n_expert && t.bytes as usize == m.expert_bytes);
@@ -336,8 +335,7 @@ pub fn predict(trace: &Trace, model: &Layout, top_k: usize, arena_bytes: u64, po
         return Err(Error::invalid("the trace has no decode steps to predict from".to_string()));
     }
     let per_token = tally.decode_bytes_read as f64 / decode_steps as f64;
-    // Reads scale with the experts' bytes, not their slots.
-    let scale = if same_geometry { 1.0 } else { model_read as f64 / trace.token_read_bytes().max(1) as f64 };
+    let scale = if same_geometry { 1.0 } else { model.token_read_bytes(top_k) as f64 / trace.token_read_bytes().max(1) as f64 };
     Ok(Prediction {
         same_geometry,
         cycles,

@@ -297,6 +297,13 @@ impl Layout {
         self.layers.values().map(|l| (top_k * slot_bytes(self.class_bytes[l.class])) as u64).sum()
     }
 
+    /// What one token reads when the arena holds none of its experts (Σ over
+    /// layers of top-k × bytes per expert): reads scale with this, not with
+    /// the slots.
+    pub fn token_read_bytes(&self, top_k: usize) -> u64 {
+        self.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum()
+    }
+
     /// The smallest arena that runs: one layer's top-k slots of each class.
     pub fn min_arena_bytes(&self, top_k: usize) -> u64 {
         self.class_bytes.iter().map(|&b| (top_k * slot_bytes(b)) as u64).sum()
