@@ -92,6 +92,12 @@ struct LimitArgs {
     /// The limit: 8G, 6144M, bytes.
     #[arg(long)]
     memory: String,
+    /// Also cap reads from every disk at this many bytes a second (600M):
+    /// a disk of a known rate, for measuring against a bound where the
+    /// real rate is not known (a virtual disk the host caches). An error
+    /// where the kernel cannot enforce it.
+    #[arg(long, conflicts_with = "pid")]
+    read_rate: Option<String>,
     /// Write the report as JSON here (default: stderr).
     #[arg(long)]
     report: Option<PathBuf>,
@@ -122,7 +128,9 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let r = sdq::commands::limit::run_limited(bytes, &a.command)?;
+    let read_rate =
+        a.read_rate.as_deref().map(|r| sdq::engine::memory::budget::parse_size(r).map_err(|e| sdq::Error::invalid(format!("--read-rate: {e}")))).transpose()?;
+    let r = sdq::commands::limit::run_limited(bytes, read_rate, &a.command)?;
     let text = serde_json::to_string_pretty(&r).expect("serialize");
     match &a.report {
         Some(p) => std::fs::write(p, text + "\n").map_err(|e| sdq::Error::io("cannot write", p, e))?,

@@ -6,7 +6,10 @@
 //! the command runs unconfined and only its RSS is measured, and the report
 //! says so. Also: changing a running process's limit without the kernel
 //! killing it (`change_limit`: the soft limit first, so the process can give
-//! memory back before the hard limit falls).
+//! memory back before the hard limit falls). And, on request, a cap on the
+//! rate the command reads from the machine's disks (`ReadCap`), so that "the
+//! disk's rate" is a figure the kernel enforces where the real one is not
+//! known (a virtual disk the host caches).
 
 use crate::engine::memory::cgroup::{anon_bytes, hard_limit, keyed, memory_cgroup_of, own_memory_cgroup, read_u64, soft_limit, Version};
 use crate::error::{Error, Result};
@@ -186,8 +189,11 @@ fn children_max_rss() -> u64 {
 
 /// Runs `argv` with at most `limit` bytes of memory (page cache included, no
 /// swap). Returns the report; the command's output passes through.
-pub fn run_limited(limit: u64, argv: &[String]) -> Result<Value> {
+pub fn run_limited(limit: u64, read_rate: Option<u64>, argv: &[String]) -> Result<Value> {
     let (program, args) = argv.split_first().ok_or_else(|| Error::invalid("no command to run"))?;
+    // A cap asked for and not enforced would make every figure read under it
+    // wrong, so unlike the memory limit it has no unenforced fallback.
+    let read_cap = read_rate.map(ReadCap::create).transpose()?;
     let started = Instant::now();
     let (cgroup, mode) = match Cgroup::create(limit) {
         Ok(cg) => {
@@ -199,18 +205,29 @@ pub fn run_limited(limit: u64, argv: &[String]) -> Result<Value> {
         }
         Err(why) => (None, format!("NOT ENFORCED, RSS only: {why}")),
     };
-    let mut cmd = match &cgroup {
-        // The shell joins the cgroup, then becomes the command.
-        Some(cg) => {
-            let mut c = Command::new("/bin/sh");
-            c.arg("-c").arg(r#"echo $$ > "$0/cgroup.procs" && exec "$@""#).arg(&cg.dir).arg(program).args(args);
-            c
+    if let Some(cap) = read_cap.as_ref().filter(|c| c.dir.is_none()) {
+        match &cgroup {
+            Some(cg) => cap.set_v2(&cg.dir)?,
+            None => return Err(Error::invalid(format!("--read-rate: cgroup v2 caps reads on the memory cgroup, and none was made ({mode})"))),
         }
-        None => {
-            let mut c = Command::new(program);
-            c.args(args);
-            c
-        }
+    }
+    let joins: Vec<&Path> = cgroup.iter().map(|cg| cg.dir.as_path()).chain(read_cap.iter().filter_map(|r| r.dir.as_deref())).collect();
+    let mut cmd = if joins.is_empty() {
+        let mut c = Command::new(program);
+        c.args(args);
+        c
+    } else {
+        // The shell joins the cgroups (memory, and blkio where it is a
+        // hierarchy of its own), then becomes the command.
+        let mut c = Command::new("/bin/sh");
+        c.arg("-c")
+            .arg(r#"while [ "$1" != -- ]; do echo $$ > "$1/cgroup.procs" || exit 125; shift; done; shift; exec "$@""#)
+            .arg("sdq-limit")
+            .args(joins)
+            .arg("--")
+            .arg(program)
+            .args(args);
+        c
     };
     let mut child = cmd.spawn().map_err(|e| Error::io("cannot run", Path::new(program), e))?;
     CHILD.store(child.id() as i32, Ordering::SeqCst);
@@ -235,6 +252,132 @@ pub fn run_limited(limit: u64, argv: &[String]) -> Result<Value> {
             o.extend(m);
         }
     }
+    if let (Some(cap), Some(o)) = (&read_cap, report.as_object_mut()) {
+        o.insert("read_rate_bytes_per_s".into(), json!(cap.rate));
+        o.insert("read_capped_devices".into(), json!(cap.devices));
+        o.insert("disk_read_bytes".into(), json!(cap.read_bytes(cgroup.as_ref())));
+    }
     drop(cgroup);
+    drop(read_cap);
     Ok(report)
+}
+
+/// A cap on the rate the command reads from the machine's disks, one rule
+/// per whole disk (`/sys/block/*` with a device behind it): cgroup v1's
+/// `blkio.throttle.read_bps_device` in a blkio cgroup of its own, or v2's
+/// `io.max rbps=` on the memory cgroup `Cgroup::create` made (the same
+/// directory there). Reads past the cap wait in the block layer, whatever
+/// serves them: the disk or a host's cache of a virtual disk.
+struct ReadCap {
+    /// The v1 blkio cgroup this cap created (v2 sets the memory cgroup's).
+    dir: Option<PathBuf>,
+    rate: u64,
+    /// "MAJ:MIN" of each capped disk.
+    devices: Vec<String>,
+}
+
+impl ReadCap {
+    fn create(rate: u64) -> Result<ReadCap> {
+        let devices = whole_disks();
+        if devices.is_empty() {
+            return Err(Error::invalid("--read-rate: no disk in /sys/block to cap"));
+        }
+        if Path::new("/sys/fs/cgroup/cgroup.controllers").is_file() {
+            // v2: the rules go on the memory cgroup once it exists (set_v2).
+            return Ok(ReadCap { dir: None, rate, devices });
+        }
+        let text = fs::read_to_string("/proc/self/cgroup").map_err(|e| Error::io("cannot read", Path::new("/proc/self/cgroup"), e))?;
+        let parent = text
+            .lines()
+            .find_map(|l| {
+                let mut f = l.splitn(3, ':');
+                let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
+                controllers.split(',').any(|c| c == "blkio").then(|| Path::new("/sys/fs/cgroup/blkio").join(path.trim_start_matches('/')))
+            })
+            .filter(|p| p.join("blkio.throttle.read_bps_device").exists())
+            .ok_or_else(|| Error::invalid("--read-rate: no blkio cgroup with blkio.throttle.read_bps_device in /proc/self/cgroup"))?;
+        let dir = parent.join(format!("sdq-limit-{}", std::process::id()));
+        fs::create_dir(&dir).map_err(|e| Error::io("--read-rate: cannot create", &dir, e))?;
+        let cap = ReadCap { dir: Some(dir.clone()), rate, devices };
+        for d in &cap.devices {
+            let rule = format!("{d} {rate}");
+            fs::write(dir.join("blkio.throttle.read_bps_device"), &rule)
+                .map_err(|e| Error::io(format!("--read-rate: cannot set blkio.throttle.read_bps_device = {rule} in"), &dir, e))?;
+        }
+        Ok(cap)
+    }
+
+    /// v2: the rules on the memory cgroup `dir` (its io controller enabled
+    /// by the parent's cgroup.subtree_control).
+    fn set_v2(&self, dir: &Path) -> Result<()> {
+        if !dir.join("io.max").exists() {
+            return Err(Error::invalid(format!(
+                "--read-rate: the io controller is not enabled below {} (its cgroup.subtree_control lacks \"io\")",
+                dir.parent().unwrap_or(dir).display()
+            )));
+        }
+        for d in &self.devices {
+            let rule = format!("{d} rbps={}", self.rate);
+            fs::write(dir.join("io.max"), &rule).map_err(|e| Error::io(format!("--read-rate: cannot set io.max = {rule} in"), dir, e))?;
+        }
+        Ok(())
+    }
+
+    /// Bytes the command read from the capped disks, as the block layer
+    /// counted them.
+    fn read_bytes(&self, memory: Option<&Cgroup>) -> Option<u64> {
+        let on_capped = |dev: &str| self.devices.iter().any(|d| d == dev);
+        match &self.dir {
+            // "MAJ:MIN Read N" lines
+            Some(dir) => Some(
+                fs::read_to_string(dir.join("blkio.throttle.io_service_bytes"))
+                    .ok()?
+                    .lines()
+                    .filter_map(|l| {
+                        let f: Vec<&str> = l.split_whitespace().collect();
+                        (f.len() == 3 && f[1] == "Read" && on_capped(f[0])).then(|| f[2].parse::<u64>().ok()).flatten()
+                    })
+                    .sum(),
+            ),
+            // "MAJ:MIN rbytes=N wbytes=N ..." lines
+            None => Some(
+                fs::read_to_string(memory?.dir.join("io.stat"))
+                    .ok()?
+                    .lines()
+                    .filter_map(|l| {
+                        let mut f = l.split_whitespace();
+                        let dev = f.next()?;
+                        on_capped(dev).then(|| f.find_map(|kv| kv.strip_prefix("rbytes=")?.parse::<u64>().ok())).flatten()
+                    })
+                    .sum(),
+            ),
+        }
+    }
+}
+
+impl Drop for ReadCap {
+    fn drop(&mut self) {
+        if let Some(dir) = &self.dir {
+            for _ in 0..50 {
+                if fs::remove_dir(dir).is_ok() {
+                    return;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            log::warn!("could not remove {}", dir.display());
+        }
+    }
+}
+
+/// "MAJ:MIN" of each whole disk with a device behind it (not loop, ram or
+/// zram devices, which have none).
+fn whole_disks() -> Vec<String> {
+    let Ok(entries) = fs::read_dir("/sys/block") else { return Vec::new() };
+    let mut out: Vec<String> = entries
+        .flatten()
+        .filter(|e| e.path().join("device").exists())
+        .filter_map(|e| Some(fs::read_to_string(e.path().join("dev")).ok()?.trim().to_string()))
+        .collect();
+    out.sort();
+    out
 }

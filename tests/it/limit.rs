@@ -41,6 +41,47 @@ fn a_process_under_the_limit_runs_and_its_peak_is_measured() {
 }
 
 #[test]
+fn a_read_rate_caps_what_the_command_reads_from_the_disk() {
+    // 48 MiB written, then dropped from the page cache: read back with
+    // O_DIRECT under a 16 MiB/s cap, it must take three seconds, whatever
+    // the disk (or a host's cache of it) could do.
+    let file = scratch().join("read-rate.bin");
+    std::fs::write(&file, vec![7u8; 48 << 20]).unwrap();
+    let f = file.to_str().unwrap();
+    let dropped = run(
+        Command::new("python3").args([
+            "-c",
+            "import os,sys; fd=os.open(sys.argv[1],os.O_RDONLY); os.fsync(fd); os.posix_fadvise(fd,0,0,os.POSIX_FADV_DONTNEED)",
+            f,
+        ]),
+        60,
+    );
+    assert!(dropped.status.success(), "{}", String::from_utf8_lossy(&dropped.stderr));
+    let report = scratch().join(format!("read-rate-{}.json", std::process::id()));
+    let o = run(
+        Command::new(bin("sdq")).args(["limit", "--memory", "1G", "--read-rate", "16M", "--report", report.to_str().unwrap(), "--"]).args([
+            "dd",
+            &format!("if={f}"),
+            "of=/dev/null",
+            "bs=1M",
+            "iflag=direct",
+        ]),
+        120,
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    if r["enforced"] != true {
+        eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
+        return;
+    }
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(r["read_rate_bytes_per_s"], 16 << 20, "{r}");
+    assert!(r["disk_read_bytes"].as_u64() >= Some(48 << 20), "{r}");
+    let secs = r["seconds"].as_f64().unwrap();
+    assert!((2.7..30.0).contains(&secs), "48 MiB at 16 MiB/s took {secs} s: {r}");
+    std::fs::remove_file(&file).unwrap();
+}
+
+#[test]
 fn auto_budget_takes_the_cgroup_limit() {
     let stats = scratch().join("auto-stats.json");
     let _ = std::fs::remove_file(&stats);
