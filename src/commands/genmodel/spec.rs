@@ -495,9 +495,10 @@ impl ModelSpec {
                     context_length: 131_072,
                     expert_type: Some(GgmlType::MXFP4),
                     // Calibrated at full depth (scripts/calibrate-routing
-                    // --preset gpt-oss-120b): the family's tiny setting
-                    // reused far more there.
-                    preset_trained_routing: (name == "gpt-oss-120b").then_some((0.0, 0.5, 8.0, 1.0)),
+                    // --preset gpt-oss-120b, seeds 5 and 6: 4.4 points from
+                    // the trained trace): the family's tiny setting reused
+                    // far more there.
+                    preset_trained_routing: (name == "gpt-oss-120b").then_some((0.1, 0.5, 8.0, 1.0)),
                     ..s
                 })
             }
@@ -1125,7 +1126,7 @@ mod tests {
         assert_eq!(tiny.trained_routing(), (0.0, 1.0, 11.0, 2.0));
         tiny.set_arch(Arch::DeepSeek2);
         assert_eq!(tiny.trained_routing(), (0.1, 0.65, 10.0, 0.0));
-        assert_eq!(ModelSpec::preset("gpt-oss-120b").unwrap().trained_routing(), (0.0, 0.5, 8.0, 1.0));
+        assert_eq!(ModelSpec::preset("gpt-oss-120b").unwrap().trained_routing(), (0.1, 0.5, 8.0, 1.0));
         assert_eq!(ModelSpec::preset("35b-a3b").unwrap().trained_routing(), (0.5, 1.0, 0.0, 9.0));
         assert_eq!(ModelSpec::preset("deepseek-v3").unwrap().trained_routing(), (1.0, 0.5, 8.0, 0.0));
     }
