@@ -11,7 +11,7 @@
 //! disk's rate" is a figure the kernel enforces where the real one is not
 //! known (a virtual disk the host caches).
 
-use crate::engine::memory::cgroup::{anon_bytes, hard_limit, keyed, memory_cgroup_of, own_memory_cgroup, read_u64, soft_limit, Version};
+use crate::engine::memory::cgroup::{anon_bytes, hard_limit, keyed, memory_cgroup_of, own_memory_cgroup, read_u64, soft_limit, v1_cgroup_in, Version};
 use crate::error::{Error, Result};
 use serde_json::{json, Value};
 use std::fs;
@@ -167,15 +167,20 @@ impl Cgroup {
 
 impl Drop for Cgroup {
     fn drop(&mut self) {
-        // The command has exited; its cgroup empties as the kernel reaps it.
-        for _ in 0..50 {
-            if fs::remove_dir(&self.dir).is_ok() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        }
-        log::warn!("could not remove {}", self.dir.display());
+        remove_cgroup(&self.dir);
     }
+}
+
+/// Removes a cgroup this runner made. The command has exited; its cgroup
+/// empties as the kernel reaps it, so the first tries may find it busy.
+fn remove_cgroup(dir: &Path) {
+    for _ in 0..50 {
+        if fs::remove_dir(dir).is_ok() {
+            return;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    log::warn!("could not remove {}", dir.display());
 }
 
 /// Peak RSS of this process's waited-for children (KiB → bytes).
@@ -287,13 +292,7 @@ impl ReadCap {
             return Ok(ReadCap { dir: None, rate, devices });
         }
         let text = fs::read_to_string("/proc/self/cgroup").map_err(|e| Error::io("cannot read", Path::new("/proc/self/cgroup"), e))?;
-        let parent = text
-            .lines()
-            .find_map(|l| {
-                let mut f = l.splitn(3, ':');
-                let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-                controllers.split(',').any(|c| c == "blkio").then(|| Path::new("/sys/fs/cgroup/blkio").join(path.trim_start_matches('/')))
-            })
+        let parent = v1_cgroup_in(&text, "blkio")
             .filter(|p| p.join("blkio.throttle.read_bps_device").exists())
             .ok_or_else(|| Error::invalid("--read-rate: no blkio cgroup with blkio.throttle.read_bps_device in /proc/self/cgroup"))?;
         let dir = parent.join(format!("sdq-limit-{}", std::process::id()));
@@ -358,13 +357,7 @@ impl ReadCap {
 impl Drop for ReadCap {
     fn drop(&mut self) {
         if let Some(dir) = &self.dir {
-            for _ in 0..50 {
-                if fs::remove_dir(dir).is_ok() {
-                    return;
-                }
-                std::thread::sleep(std::time::Duration::from_millis(20));
-            }
-            log::warn!("could not remove {}", dir.display());
+            remove_cgroup(dir);
         }
     }
 }

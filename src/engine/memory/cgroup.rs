@@ -24,12 +24,17 @@ pub fn memory_cgroup_of(pid: &str) -> Option<(PathBuf, Version)> {
         let rel = text.lines().find_map(|l| l.strip_prefix("0::"))?;
         return Some((Path::new("/sys/fs/cgroup").join(rel.trim_start_matches('/')), Version::V2));
     }
-    let rel = text.lines().find_map(|l| {
+    Some((v1_cgroup_in(&text, "memory")?, Version::V1))
+}
+
+/// The directory of the v1 cgroup of `controller` ("memory", "blkio") that
+/// a `/proc/PID/cgroup` text names.
+pub fn v1_cgroup_in(proc_cgroup: &str, controller: &str) -> Option<PathBuf> {
+    proc_cgroup.lines().find_map(|l| {
         let mut f = l.splitn(3, ':');
         let (_, controllers, path) = (f.next()?, f.next()?, f.next()?);
-        controllers.split(',').any(|c| c == "memory").then(|| path.to_string())
-    })?;
-    Some((Path::new("/sys/fs/cgroup/memory").join(rel.trim_start_matches('/')), Version::V1))
+        controllers.split(',').any(|c| c == controller).then(|| Path::new("/sys/fs/cgroup").join(controller).join(path.trim_start_matches('/')))
+    })
 }
 
 pub fn read_u64(path: &Path) -> Option<u64> {
