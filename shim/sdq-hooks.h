@@ -98,10 +98,11 @@ struct sdq_hooks {
     bool (*take_batch_error)(void * user_data, char * buf, size_t len);
 
     /* Context: context `ctx` reserved `bytes` of compute buffers in host
-     * memory (allocated, not yet touched; called again if it reserves anew),
-     * of which `logits` hold every token's logits in the worst case reserved
-     * (touched only by a batch asking for all of them). */
-    void (*compute_buffers)(void * user_data, const void * ctx, size_t bytes, size_t logits);
+     * memory (allocated, not yet touched; called again if it reserves anew).
+     * A full ubatch asking one output per sequence, as a generating tool's
+     * does, places its tensors within `one_output` bytes of them (more only
+     * for a batch asking more outputs). */
+    void (*compute_buffers)(void * user_data, const void * ctx, size_t bytes, size_t one_output);
 
     /* Server: the pager's figures in format `kind` (SDQ_REPORT_*), written
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
@@ -208,9 +209,10 @@ void sdq_drop_cached(int fd, uint64_t offset, uint64_t length);
  * Returns 0 and sets *total, or 1 if mtmd cannot read the file. */
 int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total);
 
-/* The compute buffers a context of `model_path` with these sizes reserves in
- * host memory, from the file's metadata (the model is loaded with no_alloc:
- * no tensor data is read). Returns 0 and sets *bytes, or 1 on failure. */
+/* The compute buffers a context of `model_path` with these sizes uses in
+ * host memory for a full ubatch asking one output (see compute_buffers),
+ * from the file's metadata (the model is loaded with no_alloc: no tensor
+ * data is read). Returns 0 and sets *bytes, or 1 on failure. */
 int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes);
 
 #ifdef __cplusplus

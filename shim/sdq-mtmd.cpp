@@ -24,12 +24,27 @@ extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t
     return 0;
 }
 
-// The compute buffers a context of the text model reserves in host memory
-// for these sizes, from a model loaded with no_alloc (metadata only, as
-// common's parameter fitting loads it): `sdq inspect` counts them as a run
-// does when it plans the arena (patch 0006), before any of them is touched.
+// The compute buffers a context of the text model uses in host memory for
+// these sizes, from a model loaded with no_alloc (metadata only, as common's
+// parameter fitting loads it): of what it reserves, the share a full ubatch
+// asking one output places its tensors in (patch 0006), which `sdq inspect`
+// counts as a run does when it plans the arena, before any of them is touched.
 #include "llama.h"
-#include "llama-ext.h"
+
+#include <atomic>
+
+namespace {
+
+// Set while a context is made here; that context's report lands in it.
+std::atomic<uint64_t *> g_one_output{nullptr};
+
+void capture_compute_buffers(void *, const void *, size_t, size_t one_output) {
+    if (uint64_t * out = g_one_output.load()) {
+        *out = one_output;
+    }
+}
+
+} // namespace
 
 extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes) {
     llama_model_params mp = llama_model_default_params();
@@ -43,19 +58,24 @@ extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx
     cp.n_ctx = n_ctx;
     cp.n_batch = n_batch;
     cp.n_ubatch = n_ubatch;
+    // Only this table's report hook, for as long as the context is made:
+    // the process runs no model meanwhile (sdq inspect).
+    const sdq_hooks * outer = sdq_get_hooks();
+    sdq_hooks table{};
+    table.version = SDQ_HOOKS_VERSION;
+    table.compute_buffers = capture_compute_buffers;
+    uint64_t one_output = 0;
+    g_one_output.store(&one_output);
+    sdq_set_hooks(&table);
     llama_context * ctx = llama_init_from_model(model, cp);
+    sdq_set_hooks(outer);
+    g_one_output.store(nullptr);
     if (!ctx) {
         llama_model_free(model);
         return 1;
     }
-    uint64_t sum = 0;
-    for (const auto & [buft, mb] : llama_get_memory_breakdown(ctx)) {
-        if (ggml_backend_buft_is_host(buft)) {
-            sum += mb.compute;
-        }
-    }
     llama_free(ctx);
     llama_model_free(model);
-    *bytes = sum;
+    *bytes = one_output;
     return 0;
 }

@@ -50,7 +50,12 @@ fn layer_of(name: &str) -> Option<u32> {
 const PROCESS_BASE_BYTES: u64 = 2 * MIB;
 const PROCESS_BYTES_PER_TOKEN: u64 = 244;
 const PROCESS_BYTES_PER_MERGE: u64 = 101;
-const RECURRENT_BATCH_BYTES: u64 = 16 * MIB;
+/// What a hybrid (linear-attention) model's context holds beyond its state,
+/// not counting the compute buffers (counted apart): 7.1 MiB on the
+/// generated `qwen35moe` family model, from the process's anonymous memory
+/// when its context had reserved them. (16 MiB was measured with the pages
+/// the warm-up batch touches in the compute buffers, now counted with them.)
+const RECURRENT_BATCH_BYTES: u64 = 7 * MIB;
 
 /// The metadata the context estimate needs.
 #[derive(Clone)]
@@ -86,16 +91,14 @@ impl ModelMeta {
         }
     }
 
-    /// The compute buffers llama.cpp reserves for a context of this model
-    /// (`path`) at these batch sizes, less the share that gives every token
-    /// of a ubatch its logits, as a run counts them (a generating tool asks
-    /// for the last token's only). A file llama.cpp cannot make a context of
-    /// (it names why on stderr) is still accounted for from its metadata,
-    /// without them.
+    /// The compute buffers a context of this model (`path`) at these batch
+    /// sizes uses for a full ubatch asking one output, as a run counts them
+    /// (a generating tool asks for the last token's logits only). A file
+    /// llama.cpp cannot make a context of (it names why on stderr) is still
+    /// accounted for from its metadata, without them.
     fn compute_bytes(&self, path: &Path, n_batch: u32, n_ubatch: u32) -> u64 {
         let n_ctx = u32::try_from(self.n_ctx).unwrap_or(u32::MAX);
-        let logits = u64::from(n_ubatch) * self.n_vocab * 4;
-        crate::engine::ffi::llama::context_compute_bytes(path, n_ctx, n_batch, n_ubatch).unwrap_or(0).saturating_sub(logits)
+        crate::engine::ffi::llama::context_compute_bytes(path, n_ctx, n_batch, n_ubatch).unwrap_or(0)
     }
 
     /// KV cache (f16, padded to 256 cells; sliding-window layers hold the
@@ -153,8 +156,6 @@ impl ModelMeta {
             kv = kv.saturating_add(per_token.saturating_mul(n));
         }
         let state = crate::engine::memory::growth::checkpoint_bytes(g);
-        // Linear attention's prompt-batch buffers, touched by the warm-up
-        // batch (measured on the generated hybrid models: 16 MiB more after load).
         let recurrent = if state > 0 { RECURRENT_BATCH_BYTES } else { 0 };
         kv.saturating_add(state)
             .saturating_add(recurrent + PROCESS_BASE_BYTES)

@@ -5,7 +5,7 @@
 //! stock's greedy tokens and logits with the same flags, and a budget below
 //! one layer's top-k is one line naming the minimum.
 
-use crate::pager::{budget_for, eval, max_abs_diff, MIB};
+use crate::pager::{budget_for, eval, long_prompt, max_abs_diff, MIB};
 use crate::util::*;
 use sdq::engine::model::gguf::Gguf;
 use std::path::Path;
@@ -162,4 +162,53 @@ fn deepseek_v3_at_full_width_in_split_parts_answers_as_stock() {
     }
     assert_eq!(Gguf::open(&parts[0]).unwrap().get("split.tensors.count").and_then(|v| v.as_u64()), Some(tensors));
     check_against_stock(&parts[0], "deepseek-v3", 256);
+}
+
+/// DeepSeek's 128 heads at `-c 4096` and a 512-token ubatch fill 445 MiB of
+/// compute buffers, and a prompt touches all of them, though the share that
+/// would give every token its logits (252 MiB) is never written: ggml lays a
+/// graph's tensors out anew for each graph. The arena is planned beside what
+/// a graph asking one output places in them, so a budget whose arena holds a
+/// fraction of the experts is kept through a full prompt ubatch, inside a
+/// memory limit of the budget itself (page cache counted). Narrow experts
+/// (FFN 512) keep the file at 3.7 GB; two layers of them, so that the first
+/// paged layer sees the whole ubatch (the last layer computes only the
+/// outputs' rows).
+#[test]
+fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
+    let args = ["--preset", "deepseek-v3", "--layers", "3", "--dense-layers", "1", "--expert-ff", "512", "--expert-type", "q2_K"];
+    let model = TempModel::generate("far-deepseek-v3-narrow.gguf", &args);
+    let prompt = long_prompt();
+    let completion = |budget: &str, stats: &Path| -> Vec<String> {
+        let args = ["-n", "2", "--top-k", "1", "-no-cnv", "-t", "2", "-c", "4096", "-ub", "512", "--sdq-reserve", "64M", "--ram-budget", budget];
+        [bin("llama-completion").to_str().unwrap(), "-m", model.to_str().unwrap(), "-f", prompt.to_str().unwrap(), "--sdq-stats", stats.to_str().unwrap()]
+            .into_iter()
+            .chain(args)
+            .map(String::from)
+            .collect()
+    };
+    let read = |p: &Path| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let probe_stats = scratch().join("deepseek-v3-narrow-probe.json");
+    let probe = completion("20G", &probe_stats);
+    let o = run(Command::new(&probe[0]).args(&probe[1..]), 600);
+    assert!(o.status.success(), "probe: {}", stderr(&o));
+    let probe = read(&probe_stats);
+    assert!(u(&probe, "compute_untouched_bytes") > 400 * MIB, "the compute buffers a prompt touches were not all counted: {probe}");
+    // An arena of 400 MiB: a fifth of the experts, its pages faulted in
+    // ahead of the reads.
+    let budget = budget_for(&probe, 64 * MIB, 400 * MIB);
+    let (stats, report) = (scratch().join("deepseek-v3-narrow.json"), scratch().join("deepseek-v3-narrow-limit.json"));
+    let o =
+        run(Command::new(bin("sdq")).args(["limit", "--memory", &budget, "--report", report.to_str().unwrap(), "--"]).args(completion(&budget, &stats)), 600);
+    let r = read(&report);
+    assert!(o.status.success(), "a 512-token ubatch in a budget of {budget} and a limit of as much: {r}\n{}", stderr(&o));
+    if r["enforced"] == true {
+        assert_eq!(r["oom_kills"].as_u64(), Some(0), "{r}");
+    } else {
+        eprintln!("the limit is not enforced here ({}): the budget alone is checked", r["mode"]);
+    }
+    let s = read(&stats);
+    assert!(u(&s["prompt"], "tokens") >= 512, "not a full ubatch: {s}");
+    assert!(u(&s, "arena_resident_bytes") + 16 * MIB >= u(&s, "arena_bytes"), "the arena's pages must be resident: {s}");
+    assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "peak RSS over the budget of {budget}: {s}");
 }

@@ -57,9 +57,10 @@ pub fn log_error(line: &str) {
     unsafe { log(sys::GGML_LOG_LEVEL_ERROR, text.as_ptr(), data) };
 }
 
-/// The compute buffers a context of the model at `path` reserves in host
-/// memory for these sizes, from its metadata (a no_alloc load: no tensor
-/// data is read); None if llama.cpp cannot load it.
+/// The compute buffers a context of the model at `path` uses in host memory
+/// at these sizes for a full ubatch asking one output (what a generating
+/// tool touches of what it reserves), from its metadata (a no_alloc load:
+/// no tensor data is read); None if llama.cpp cannot load it.
 pub fn context_compute_bytes(path: &std::path::Path, n_ctx: u32, n_batch: u32, n_ubatch: u32) -> Option<u64> {
     let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
     let mut bytes = 0u64;

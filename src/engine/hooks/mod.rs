@@ -59,10 +59,10 @@ extern "C" fn abort_requested(_: *mut c_void) -> bool {
     guard("abort_requested", failure::abort_requested)
 }
 
-extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize, logits: usize) {
+extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize, one_output: usize) {
     guard("compute_buffers", || {
         if let Some(rt) = runtime::get() {
-            rt.on_compute_buffers(bytes as u64, logits as u64);
+            rt.on_compute_buffers(bytes as u64, one_output as u64);
         }
     })
 }

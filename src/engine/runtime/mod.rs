@@ -45,8 +45,9 @@ pub struct Runtime {
     /// Each step's tokens, time and bytes read, by phase (prompt or decode).
     phases: Mutex<PhaseClock>,
     peak_rss_anon: AtomicU64,
-    /// The largest compute buffers a context reserved, and the process's
-    /// anonymous memory then (before any of their pages were touched).
+    /// The largest compute buffers a context's generating graphs use (of
+    /// what it reserved), and the process's anonymous memory then (before
+    /// any of their pages were touched).
     compute_buffers: Mutex<Option<(u64, u64)>>,
     max_swap: AtomicU64,
     finished: AtomicBool,
@@ -305,20 +306,25 @@ impl Runtime {
         (layers().min().unwrap_or(0), layers().max().unwrap_or(0))
     }
 
-    /// A context reserved `bytes` of compute buffers in host memory, of
-    /// which `logits` would hold every token's logits: a generating tool
-    /// asks for the last token's only, so that share is left to the
-    /// reserve (a tool that asks for all of them, llama-perplexity, needs a
-    /// reserve to match).
-    pub fn on_compute_buffers(&self, bytes: u64, logits: u64) {
-        let bytes = bytes.saturating_sub(logits);
+    /// A context reserved `bytes` of compute buffers in host memory, within
+    /// `one_output` of which a full ubatch asking one output per sequence
+    /// places its tensors. A generating tool asks for the last token's
+    /// logits only, so the planner counts `one_output`; the rest (every
+    /// token's logits, which llama-perplexity asks for) is left to the
+    /// reserve, which such a tool needs to match.
+    pub fn on_compute_buffers(&self, bytes: u64, one_output: u64) {
         let rss = ProcMemory::read().rss_anon;
-        log::debug!("a context reserved {} of compute buffers; the process holds {}", human(bytes), human(rss));
+        log::debug!(
+            "a context reserved {} of compute buffers, {} of them for a ubatch of one output; the process holds {}",
+            human(bytes),
+            human(one_output),
+            human(rss)
+        );
         let mut c = self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner());
         // The latest of the largest: common's parameter fitting reserves a
         // context of the same size before the weights are read.
-        if c.map_or(true, |(b, _)| bytes >= b) {
-            *c = Some((bytes, rss));
+        if c.map_or(true, |(b, _)| one_output >= b) {
+            *c = Some((one_output, rss));
         }
     }
 
