@@ -144,6 +144,15 @@ fn huge_len(bytes: usize) -> usize {
     bytes.max(1).div_ceil(HUGE_PAGE) * HUGE_PAGE
 }
 
+/// What of the arena the kernel holds in memory (`Arena::pages_held`).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PagesHeld {
+    /// Bytes backed by memory, of any page size.
+    pub resident: u64,
+    /// Bytes in huge pages.
+    pub huge: u64,
+}
+
 /// The mapping. Invariants: `base..base+len` is a live private anonymous
 /// mapping owned by this value; classes tile it without overlap from `base`.
 pub struct Arena {
@@ -276,25 +285,16 @@ impl Arena {
         self.fallback.as_deref()
     }
 
-    /// Bytes of the arena the kernel holds in huge pages now
-    /// (`AnonHugePages` and `Private_Hugetlb` of its mapping in
-    /// /proc/self/smaps); None if unreadable.
-    pub fn huge_bytes(&self) -> Option<u64> {
-        self.smaps_bytes(&["AnonHugePages:", "Private_Hugetlb:"])
-    }
-
-    /// Bytes of the arena backed by memory now, of any page size (`Rss`
-    /// and `Private_Hugetlb`, which `Rss` leaves out); None if unreadable.
-    pub fn resident_bytes(&self) -> Option<u64> {
-        self.smaps_bytes(&["Rss:", "Private_Hugetlb:"])
-    }
-
-    /// The sum of `fields` over the mapping's entries in /proc/self/smaps.
-    fn smaps_bytes(&self, fields: &[&str]) -> Option<u64> {
+    /// What of the arena the kernel holds now: bytes backed by memory of
+    /// any page size (`Rss` and `Private_Hugetlb`, which `Rss` leaves out)
+    /// and bytes in huge pages (`AnonHugePages` and `Private_Hugetlb`), from
+    /// its entries in /proc/self/smaps, read once (the kernel walks every
+    /// mapping's page tables to write that file); None if unreadable.
+    pub fn pages_held(&self) -> Option<PagesHeld> {
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base.as_ptr() as usize, self.base.as_ptr() as usize + self.len);
         let mut inside = false;
-        let mut total = 0;
+        let mut held = PagesHeld::default();
         for line in smaps.lines() {
             if let Some((range, _)) = line.split_once(' ') {
                 if let Some((a, b)) = range.split_once('-') {
@@ -304,13 +304,21 @@ impl Arena {
                     }
                 }
             }
-            if inside {
-                if let Some(kb) = fields.iter().find_map(|f| line.strip_prefix(f)) {
-                    total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
-                }
+            if !inside {
+                continue;
             }
+            let Some((field, kb)) = line.split_once(':') else { continue };
+            let (resident, huge) = match field {
+                "Rss" => (true, false),
+                "AnonHugePages" => (false, true),
+                "Private_Hugetlb" => (true, true),
+                _ => continue,
+            };
+            let bytes = kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
+            held.resident += if resident { bytes } else { 0 };
+            held.huge += if huge { bytes } else { 0 };
         }
-        Some(total)
+        Some(held)
     }
 
     pub fn classes(&self) -> &[SlotClass] {
@@ -549,7 +557,7 @@ mod tests {
         if matches!(thp_mode().as_deref(), Some("always" | "madvise")) {
             assert_eq!(a.backing(), &Backing::TransparentHuge);
         }
-        assert!(a.huge_bytes().is_some());
+        assert!(a.pages_held().is_some());
     }
 
     #[test]

@@ -310,14 +310,10 @@ impl Pager {
         self.shared.arena.fallback()
     }
 
-    /// Bytes of the arena in huge pages now (None if unreadable).
-    pub fn arena_huge_bytes(&self) -> Option<u64> {
-        self.shared.arena.huge_bytes()
-    }
-
-    /// Bytes of the arena backed by memory now (None if unreadable).
-    pub fn arena_resident_bytes(&self) -> Option<u64> {
-        self.shared.arena.resident_bytes()
+    /// What of the arena is backed by memory now, and in huge pages (None
+    /// if unreadable).
+    pub fn arena_pages_held(&self) -> Option<arena::PagesHeld> {
+        self.shared.arena.pages_held()
     }
 
     /// Bytes of the slots that have held an expert so far: each class's

@@ -162,8 +162,9 @@ impl Runtime {
             // Which pages the arena got: the kind it asked for, and how much
             // of it the kernel holds in huge pages now.
             o.insert("arena_pages".into(), json!(pager.arena_backing().name()));
-            o.insert("arena_huge_bytes".into(), json!(pager.arena_huge_bytes()));
-            o.insert("arena_resident_bytes".into(), json!(pager.arena_resident_bytes()));
+            let held = pager.arena_pages_held();
+            o.insert("arena_huge_bytes".into(), json!(held.map(|h| h.huge)));
+            o.insert("arena_resident_bytes".into(), json!(held.map(|h| h.resident)));
             o.insert("arena_filled_bytes".into(), json!(pager.arena_filled_bytes()));
             o.insert("arena_populate".into(), json!(self.options.populate.unwrap_or_default().name()));
             let (minor, major) = budget::page_faults();
