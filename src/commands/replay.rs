@@ -98,7 +98,7 @@ pub fn plan(trace: &Trace, layout: &Layout, arena_bytes: u64) -> Result<Vec<Slot
 /// The trace replayed through `policy` over `classes`, counting the
 /// batches from step `judged_from` on (0: all).
 pub fn replay(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: PolicyKind, judged_from: u64) -> Tally {
-    replay_with(trace, layout, classes, policy.build(&Plan::new(layout, classes)), judged_from)
+    replay_with(trace, layout, classes, policy.build(&Plan::new(layout, classes, trace.top_k)), judged_from)
 }
 
 fn replay_with(trace: &Trace, layout: &Layout, classes: &[SlotClass], policy: Box<dyn Policy>, judged_from: u64) -> Tally {
@@ -252,7 +252,7 @@ pub fn told_ahead(trace: &Trace, layout: &Layout, classes: &[SlotClass], told: T
         }
     }
     let n_slots: usize = classes.iter().map(|c| c.count).sum();
-    let policy = Told { inner: PolicyKind::default().build(&Plan::new(layout, classes)), uses, told, batch: None, keys: vec![None; n_slots] };
+    let policy = Told { inner: PolicyKind::default().build(&Plan::new(layout, classes, trace.top_k)), uses, told, batch: None, keys: vec![None; n_slots] };
     replay_with(trace, layout, classes, Box::new(policy), judged_from)
 }
 

@@ -52,7 +52,7 @@ fn replay_reproduces_the_live_hit_rate() {
     let cycle = u(&replay(&probe.trace, &["--cycles", "1"]), "token_cycle_bytes");
     let after_load = held_after_load(&probe.stats);
     for (policy, threads, cycles) in
-        [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("freq-auto", 2, 1.0)]
+        [("freq-auto", 1, 1.0), ("lru", 1, 1.0), ("freq-auto", 1, 2.5), ("freq", 1, 2.5), ("freq-shares", 1, 2.5), ("reuse", 1, 1.0), ("freq-auto", 2, 1.0)]
     {
         // An arena of about `cycles` token cycles; 4 MiB of slack for the
         // anonymous memory after load, which varies a little between runs.
@@ -133,7 +133,7 @@ fn traces_and_replays_refuse_bad_input_clearly() {
     // Unknown policies list the known ones.
     let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "hi", 2)).args(["--ram-budget", "2G", "--sdq-policy", "mru"]), 60);
     assert_eq!(o.status.code(), Some(1));
-    assert!(stderr(&o).contains("--sdq-policy: unknown policy 'mru' (one of: freq-auto, freq-shares, freq, lru)"), "{}", stderr(&o));
+    assert!(stderr(&o).contains("--sdq-policy: unknown policy 'mru' (one of: freq-auto, freq-shares, freq, lru, reuse)"), "{}", stderr(&o));
     // A malformed trace names its file and line, without a backtrace.
     let bad = scratch().join("bad-trace.csv");
     std::fs::write(&bad, "# layer=0 bytes=100 experts=4\nstep,phase,layer,expert,weight\n0,d,0,1,0.5\n0,d,0,9,0.5\n").unwrap();

@@ -1,4 +1,4 @@
-//! The default policy: freq with shares, freq without, or LRU, each
+//! The default policy: freq with shares, freq without, LRU, or reuse, each
 //! replayed in a shadow slot table, the arena following whichever has
 //! been hitting more.
 
@@ -9,28 +9,38 @@ use super::ExpertKey;
 use std::ops::Range;
 
 /// How many tokens it takes a shadow's hit count to halve in `FreqAuto`.
-/// Chosen on the first half of the trained trace (steps 0-64), where 16
-/// fell 0.6 points below freq at 1 token cycle and 32 to 1000 did not; 64
-/// then held on the second half and on generated traces
-/// (docs/BENCHMARKS.md, "The policy").
-const AUTO_HALF_LIFE_TOKENS: f64 = 64.0;
+/// Chosen on the first half of the trained trace (steps 0-64): with the
+/// reuse way among the ways, 64 left the default 0.6 points below freq at
+/// 1 token cycle and 24 to 48 held within 0.5 (docs/BENCHMARKS.md,
+/// "A chance of reuse learned as the run goes").
+const AUTO_HALF_LIFE_TOKENS: f64 = 32.0;
 
-/// Freq with shares, freq without, or LRU: whichever has been hitting
-/// more. None wins everywhere: on a trained model's routing, shares keep
-/// more from 1.5 token cycles on; where the router's favourites are
-/// stable, as in generated models, freq over the whole class does
-/// (docs/BENCHMARKS.md, "Each layer its share"); and where the experts in
-/// use change faster than the counts age, LRU leads. So three shadow slot
-/// tables, one per way, replay every batch's lookups (demand only, over
-/// the plan's full classes), each with its hits aged by
-/// `AUTO_HALF_LIFE_TOKENS`; the arena's own victims follow the one ahead,
-/// freq without shares until another is.
+/// How far a way's aged hits must pass the followed way's for the arena to
+/// follow it instead: 0.2 %. Chosen on the same half, where switching on
+/// any lead left the default 4 hits (0.03 points) below LRU at 8 token
+/// cycles, where the ways are within 20 hits of each other.
+const AUTO_MARGIN: f64 = 0.002;
+
+/// Freq with shares, freq without, LRU or reuse: whichever has been
+/// hitting more. None wins everywhere: on a trained model's routing,
+/// shares keep more from 1.5 token cycles on, and reuse (the chance of
+/// reuse learned from the run) at one token cycle and on routing from a
+/// trained dense model; where the router's favourites are stable, as in
+/// generated models, freq over the whole class does (docs/BENCHMARKS.md,
+/// "Each layer its share"); and where the experts in use change faster
+/// than the counts age, LRU leads. So four shadow slot tables, one per
+/// way, replay every batch's lookups (demand only, over the plan's full
+/// classes), each with its hits aged by `AUTO_HALF_LIFE_TOKENS`; the
+/// arena's own victims follow the one ahead by `AUTO_MARGIN`, freq
+/// without shares until another is.
 pub struct FreqAuto {
     live: Freq,
     /// LRU's order over the arena's own slots, for when it leads.
     live_lru: Lru,
+    /// Reuse over the arena's own slots, for when it leads.
+    live_reuse: Freq,
     /// Shadows, in `Way` order.
-    shadows: [Shadow; 3],
+    shadows: [Shadow; 4],
     /// The way the arena follows now.
     way: Way,
     plan: Plan,
@@ -46,6 +56,7 @@ enum Way {
     Shares = 0,
     Whole = 1,
     Lru = 2,
+    Reuse = 3,
 }
 
 struct Shadow {
@@ -63,7 +74,13 @@ impl FreqAuto {
         FreqAuto {
             live,
             live_lru: Lru::new(n_slots),
-            shadows: [shadow(Box::new(Freq::with_shares(n_slots, plan))), shadow(Box::new(Freq::new(n_slots))), shadow(Box::new(Lru::new(n_slots)))],
+            live_reuse: Freq::with_reuse(n_slots, plan),
+            shadows: [
+                shadow(Box::new(Freq::with_shares(n_slots, plan))),
+                shadow(Box::new(Freq::new(n_slots))),
+                shadow(Box::new(Lru::new(n_slots))),
+                shadow(Box::new(Freq::with_reuse(n_slots, plan))),
+            ],
             way: Way::Whole,
             plan: plan.clone(),
             batch: None,
@@ -82,8 +99,8 @@ impl FreqAuto {
             let adm = sh.res.admit_unpinned(layer, class.clone(), &experts);
             sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
         }
-        for way in [Way::Shares, Way::Whole, Way::Lru] {
-            if self.shadows[way as usize].hits > self.shadows[self.way as usize].hits {
+        for way in [Way::Shares, Way::Whole, Way::Lru, Way::Reuse] {
+            if self.shadows[way as usize].hits > self.shadows[self.way as usize].hits * (1.0 + AUTO_MARGIN) {
                 self.way = way;
             }
         }
@@ -101,11 +118,13 @@ impl Policy for FreqAuto {
         self.batch = Some((layer, Vec::new()));
         self.live.begin_batch(layer);
         self.live_lru.begin_batch(layer);
+        self.live_reuse.begin_batch(layer);
     }
 
     fn filled(&mut self, slot: SlotId, key: ExpertKey) {
         self.live.filled(slot, key);
         self.live_lru.filled(slot, key);
+        self.live_reuse.filled(slot, key);
     }
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
@@ -116,16 +135,19 @@ impl Policy for FreqAuto {
         }
         self.live.used(slot, key);
         self.live_lru.used(slot, key);
+        self.live_reuse.used(slot, key);
     }
 
     fn forget(&mut self, slot: SlotId) {
         self.live.forget(slot);
         self.live_lru.forget(slot);
+        self.live_reuse.forget(slot);
     }
 
     fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         match self.way {
             Way::Lru => self.live_lru.victim(layer, slots, evictable),
+            Way::Reuse => self.live_reuse.victim(layer, slots, evictable),
             Way::Shares | Way::Whole => self.live.victim(layer, slots, evictable),
         }
     }
@@ -136,6 +158,7 @@ impl Policy for FreqAuto {
 
     fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
         self.live.learn(counts);
+        self.live_reuse.learn(counts);
         for sh in &mut self.shadows {
             sh.res.learn(counts);
         }

@@ -33,6 +33,7 @@ pub mod policy;
 mod policy_kind;
 mod readers;
 pub mod residency;
+mod reuse;
 mod warm;
 
 pub use counts::{LayerCounts, PagerCounts, PagerTotals};
@@ -229,7 +230,9 @@ impl Drop for PinnedExpert<'_> {
 
 impl Pager {
     /// A pager over `layout` with `slots[i]` slots for class i, reading
-    /// with `readers` threads, its arena faulted in as `populate` says.
+    /// with `readers` threads, its arena faulted in as `populate` says,
+    /// evicting by `policy` for a model of `top_k` experts a token.
+    #[allow(clippy::too_many_arguments)]
     pub fn new(
         layout: Layout,
         slots: &[usize],
@@ -237,6 +240,7 @@ impl Pager {
         readers: usize,
         populate: Populate,
         policy: PolicyKind,
+        top_k: usize,
         pages: PageChoice,
     ) -> Result<Pager> {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
@@ -246,7 +250,7 @@ impl Pager {
         let n = arena.n_slots();
         let state = State {
             slots: vec![Slot::default(); n],
-            res: Residency::new(n, policy.build(&policy::Plan::new(&layout, arena.classes()))),
+            res: Residency::new(n, policy.build(&policy::Plan::new(&layout, arena.classes(), top_k))),
             counts: layout.layers.keys().map(|&l| (l, LayerCounts::default())).collect(),
             bytes_read: 0,
             device_bytes: 0,

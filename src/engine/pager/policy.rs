@@ -8,7 +8,9 @@
 //! decisions.
 
 use super::arena::SlotId;
+use super::reuse::Reuse;
 use super::ExpertKey;
+use std::cell::RefCell;
 use std::ops::Range;
 
 /// An eviction policy over the arena's slots.
@@ -43,12 +45,26 @@ pub struct Plan {
     /// (layer, index into `classes`), one per paged layer.
     pub layer_class: Vec<(u32, usize)>,
     pub classes: Vec<Range<SlotId>>,
+    /// Experts a token takes in each layer (0: not known).
+    pub top_k: usize,
 }
 
 impl Plan {
-    /// The plan of `layout`'s layers over `classes`.
-    pub fn new(layout: &super::layout::Layout, classes: &[super::arena::SlotClass]) -> Plan {
-        Plan { layer_class: layout.layers.values().map(|l| (l.layer, l.class)).collect(), classes: classes.iter().map(|c| c.slots()).collect() }
+    /// The plan of `layout`'s layers over `classes`, for a model whose
+    /// tokens take `top_k` experts a layer.
+    pub fn new(layout: &super::layout::Layout, classes: &[super::arena::SlotClass], top_k: usize) -> Plan {
+        Plan { layer_class: layout.layers.values().map(|l| (l.layer, l.class)).collect(), classes: classes.iter().map(|c| c.slots()).collect(), top_k }
+    }
+
+    /// Per layer: how many layers share its slot class (0 for a layer not
+    /// in the plan).
+    fn class_layers(&self) -> Vec<usize> {
+        let n_layers = self.layer_class.iter().map(|&(l, _)| l as usize + 1).max().unwrap_or(0);
+        let mut sharers = vec![0; n_layers];
+        for &(l, c) in &self.layer_class {
+            sharers[l as usize] = self.layer_class.iter().filter(|&&(_, c2)| c2 == c).count();
+        }
+        sharers
     }
 }
 
@@ -136,6 +152,15 @@ pub struct Freq {
     sharers: Option<Vec<usize>>,
     /// Whether the shares apply now (`FreqAuto` switches them).
     pub(super) shares_on: bool,
+    /// With it, a slot's worth is its expert's chance of use within the
+    /// tokens the arena holds, not its expected next use (`Freq::with_reuse`).
+    reuse: Option<Box<Reuse>>,
+    /// Each slot's score (`next_use`, or with reuse its worth negated)
+    /// within the batch under way, for the horizon it was found at (NaN:
+    /// not found yet). Within a batch only the batch's own experts, which
+    /// are not evicted, and the slots filled or used change score, so a
+    /// batch's misses score the class once.
+    score_cache: RefCell<(f64, Vec<f64>)>,
 }
 
 /// Below this count (one use, aged) an expert is up for eviction by any
@@ -145,31 +170,61 @@ const LENDABLE_COUNT: f64 = 1.0;
 
 impl Freq {
     pub fn new(n_slots: usize) -> Freq {
-        Freq { slots: vec![None; n_slots], counts: Vec::new(), layer_batches: Vec::new(), last_run: Vec::new(), now: 0, sharers: None, shares_on: false }
+        Freq {
+            slots: vec![None; n_slots],
+            counts: Vec::new(),
+            layer_batches: Vec::new(),
+            last_run: Vec::new(),
+            now: 0,
+            sharers: None,
+            shares_on: false,
+            reuse: None,
+            score_cache: RefCell::new((f64::NAN, Vec::new())),
+        }
     }
 
     /// Freq with each layer in an equal share of its class, as `plan` gives
     /// each layer's class.
     pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
-        let layer_class = &plan.layer_class;
-        let n_layers = layer_class.iter().map(|&(l, _)| l as usize + 1).max().unwrap_or(0);
-        let mut sharers = vec![0; n_layers];
-        for &(l, c) in layer_class {
-            sharers[l as usize] = layer_class.iter().filter(|&&(_, c2)| c2 == c).count();
-        }
-        Freq { sharers: Some(sharers), shares_on: true, ..Freq::new(n_slots) }
+        Freq { sharers: Some(plan.class_layers()), shares_on: true, ..Freq::new(n_slots) }
     }
 
-    /// The evictable slot in `slots` allowed by `allowed` whose expert's
-    /// next use is expected farthest away (an empty one first); the lowest
-    /// slot id among equals.
-    fn farthest(&self, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool, allowed: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    /// Freq over the whole class that keeps the experts likeliest to be
+    /// used within the tokens the arena holds, by a chance of reuse learned
+    /// from the run's routing (`ReuseTable`), where plain freq keeps those
+    /// whose next use is expected soonest from the count alone. Named
+    /// `reuse`; the default follows it while it hits more.
+    ///
+    /// The horizon matters because use comes in bursts: an expert just used
+    /// is likely back within a token or two and unlikely after that, so in
+    /// an arena of one or two tokens it is worth more than one of a higher
+    /// count, and in a larger one less.
+    pub fn with_reuse(n_slots: usize, plan: &Plan) -> Freq {
+        Freq { reuse: Some(Box::new(Reuse::new(FREQ_HALF_LIFE, plan.top_k, plan.class_layers()))), ..Freq::new(n_slots) }
+    }
+
+    /// The evictable slot in `slots` (of `layer`'s class) allowed by
+    /// `allowed` whose expert's next use is expected farthest away (with
+    /// reuse: least likely within the horizon); an empty one first, the
+    /// lowest slot id among equals.
+    fn farthest(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool, allowed: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
-        slots
-            .filter(|&s| evictable(s) && allowed(s))
-            .map(|s| (self.next_use(s, n_layers), s))
-            .max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1)))
-            .map(|(_, s)| s)
+        // `slots` are the slots of `layer`'s class usable now.
+        let horizon = self.reuse.as_deref().map_or(0.0, |r| r.horizon(layer, slots.len()));
+        let mut cache = self.score_cache.borrow_mut();
+        if cache.0 != horizon {
+            *cache = (horizon, vec![f64::NAN; self.slots.len()]);
+        }
+        let mut score = |s: SlotId| {
+            if cache.1[s].is_nan() {
+                cache.1[s] = match self.reuse.as_deref() {
+                    Some(r) => -self.worth(r, s, n_layers, horizon),
+                    None => self.next_use(s, n_layers),
+                };
+            }
+            cache.1[s]
+        };
+        slots.filter(|&s| evictable(s) && allowed(s)).map(|s| (score(s), s)).max_by(|a, b| a.0.total_cmp(&b.0).then(b.1.cmp(&a.1))).map(|(_, s)| s)
     }
 
     fn batches_of(&self, layer: u32) -> u64 {
@@ -191,10 +246,59 @@ impl Freq {
         }
         // A count of c over a half-life of H batches is a rate of c·ln2/H per batch.
         let p = (count * std::f64::consts::LN_2 / FREQ_HALF_LIFE).clamp(1e-9, 1.0);
-        let since = self.now - self.last_run.get(key.0 as usize).copied().unwrap_or(0);
-        1.0 / p - 1.0 + (1.0 - since as f64 / n_layers).max(0.0)
+        1.0 / p - 1.0 + self.until_run(key.0, n_layers)
+    }
+
+    /// `slot`'s score is to be found again.
+    fn forget_score(&mut self, slot: SlotId) {
+        if let Some(w) = self.score_cache.get_mut().1.get_mut(slot) {
+            *w = f64::NAN;
+        }
+    }
+
+    /// The part of a token until `layer` runs again (1 for the layer
+    /// running now).
+    fn until_run(&self, layer: u32, n_layers: f64) -> f64 {
+        let since = self.now - self.last_run.get(layer as usize).copied().unwrap_or(0);
+        (1.0 - since as f64 / n_layers).max(0.0)
+    }
+
+    /// With reuse: what keeping `slot`'s expert is worth, in expected uses
+    /// per token of the slot's time: over its layer's runs within `horizon`
+    /// tokens, the chance its first use is at each, over the tokens until
+    /// then plus one. An empty slot is worth nothing and goes first.
+    ///
+    /// Dividing by the wait is what makes the cycle of layers count: of two
+    /// experts as likely to be used, the one whose layer runs sooner frees
+    /// its slot sooner, and the layer that just ran waits longest.
+    fn worth(&self, r: &Reuse, slot: SlotId, n_layers: f64, horizon: f64) -> f64 {
+        let Some((key, fresh)) = self.slots[slot] else { return -1.0 };
+        let mut count = self.count(key);
+        let since = match r.last_use(key) {
+            // Filled and not used since (prefetched, preloaded): as if just used.
+            _ if fresh => {
+                count = count.max(1.0);
+                1
+            }
+            0 => u64::MAX / 2,
+            last => (self.batches_of(key.0) + 1).saturating_sub(last),
+        };
+        let until = self.until_run(key.0, n_layers);
+        // A use further ahead than this is worth under a seventeenth of one now.
+        let runs = ((horizon - until).floor().max(0.0) as u64 + 1).min(MAX_REUSE_RUNS);
+        let chance = r.table.chances(count);
+        let (mut unused, mut worth) = (1.0, 0.0);
+        for k in 0..runs {
+            let p = chance(since.saturating_add(k));
+            worth += unused * p / (until + k as f64 + 1.0);
+            unused *= 1.0 - p;
+        }
+        worth
     }
 }
+
+/// The most runs of its layer `Freq::worth` looks ahead.
+const MAX_REUSE_RUNS: u64 = 16;
 
 /// The factor a count keeps after `batches` of its layer.
 fn decay(batches: u64) -> f64 {
@@ -203,14 +307,23 @@ fn decay(batches: u64) -> f64 {
 
 impl Policy for Freq {
     fn name(&self) -> &'static str {
-        if self.sharers.is_some() {
-            "freq-shares"
-        } else {
-            "freq"
+        match (self.sharers.is_some(), self.reuse.is_some()) {
+            (_, true) => "reuse",
+            (true, false) => "freq-shares",
+            (false, false) => "freq",
         }
     }
 
     fn begin_batch(&mut self, layer: u32) {
+        self.score_cache.get_mut().0 = f64::NAN;
+        if let Some(mut r) = self.reuse.take() {
+            // The batch before this one is done: what its layer used is known.
+            if let Some(done) = r.batch_layer() {
+                r.close_batch(|e| self.count((done, e)));
+            }
+            r.begin_batch(layer, self.batches_of(layer) + 1);
+            self.reuse = Some(r);
+        }
         let l = layer as usize;
         if self.layer_batches.len() <= l {
             self.layer_batches.resize(l + 1, 0);
@@ -222,6 +335,7 @@ impl Policy for Freq {
     }
 
     fn filled(&mut self, slot: SlotId, key: ExpertKey) {
+        self.forget_score(slot);
         self.slots[slot] = Some((key, true));
     }
 
@@ -234,15 +348,21 @@ impl Policy for Freq {
         if self.counts[l].len() <= e {
             self.counts[l].resize(e + 1, (0.0, 0));
         }
+        if let Some(r) = self.reuse.as_deref_mut() {
+            let (c, at) = self.counts[l][e];
+            r.used(key, c * decay(now.saturating_sub(at)));
+        }
         let c = &mut self.counts[l][e];
         // One count per batch, however many of the batch's tokens chose it.
         if c.1 != now || c.0 == 0.0 {
             *c = (c.0 * decay(now.saturating_sub(c.1)) + 1.0, now);
         }
+        self.forget_score(slot);
         self.slots[slot] = Some((key, false));
     }
 
     fn forget(&mut self, slot: SlotId) {
+        self.forget_score(slot);
         self.slots[slot] = None;
     }
 
@@ -276,7 +396,7 @@ impl Policy for Freq {
     fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         let any = |_: SlotId| true;
         let Some(sharers) = self.sharers.as_ref().filter(|_| self.shares_on).and_then(|v| v.get(layer as usize)).copied().filter(|&n| n > 0) else {
-            return self.farthest(slots, evictable, &any);
+            return self.farthest(layer, slots, evictable, &any);
         };
         let share = (slots.len() / sharers).max(1);
         let mut held = vec![0usize; self.counts.len().max(layer as usize + 1)];
@@ -290,20 +410,20 @@ impl Policy for Freq {
         }
         let chosen = if held[layer as usize] >= share {
             // At its share: its own, or what its layer no longer uses.
-            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+            self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
                 None => true,
                 Some((key, fresh)) => key.0 == layer || (!fresh && self.count(key) < LENDABLE_COUNT),
             })
         } else {
             // Under its share: from a layer over its own.
-            self.farthest(slots.clone(), evictable, &|s| match self.slots[s] {
+            self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
                 None => true,
                 Some(((l, _), _)) => held[l as usize] > share,
             })
         };
         // Nothing so allowed is evictable (pinned, or a prefetch that may
         // not touch its own layer): the farthest of any layer.
-        chosen.or_else(|| self.farthest(slots, evictable, &any))
+        chosen.or_else(|| self.farthest(layer, slots, evictable, &any))
     }
 }
 
@@ -374,7 +494,7 @@ mod tests {
     #[test]
     fn with_shares_a_layer_gives_up_its_own_until_under_its_share() {
         // Two layers share one class of 4 slots: a share of 2 each.
-        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: std::iter::once(0..4).collect() };
+        let plan = Plan { layer_class: vec![(0, 0), (1, 0)], classes: std::iter::once(0..4).collect(), top_k: 2 };
         let mut f = Freq::with_shares(4, &plan);
         let use_in = |f: &mut Freq, slot: SlotId, key: ExpertKey, times: u32| {
             for _ in 0..times {

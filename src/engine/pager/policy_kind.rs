@@ -6,7 +6,7 @@ use super::policy::{Freq, Lru, Plan, Policy};
 /// The policies there are, by name.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum PolicyKind {
-    /// Freq, with or without shares, whichever has been hitting more (`FreqAuto`).
+    /// Freq with shares, without, reuse or LRU, whichever has been hitting more (`FreqAuto`).
     #[default]
     FreqAuto,
     /// Frequency with aging, each layer within its share of its slot class
@@ -16,10 +16,13 @@ pub enum PolicyKind {
     Freq,
     /// Least recently used.
     Lru,
+    /// Freq over the whole class, keeping the experts likeliest to be used
+    /// within the tokens the arena holds (`Freq::with_reuse`).
+    Reuse,
 }
 
 impl PolicyKind {
-    pub const ALL: [PolicyKind; 4] = [PolicyKind::FreqAuto, PolicyKind::FreqShares, PolicyKind::Freq, PolicyKind::Lru];
+    pub const ALL: [PolicyKind; 5] = [PolicyKind::FreqAuto, PolicyKind::FreqShares, PolicyKind::Freq, PolicyKind::Lru, PolicyKind::Reuse];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -27,6 +30,7 @@ impl PolicyKind {
             PolicyKind::Freq => "freq",
             PolicyKind::FreqShares => "freq-shares",
             PolicyKind::FreqAuto => "freq-auto",
+            PolicyKind::Reuse => "reuse",
         }
     }
 
@@ -47,6 +51,7 @@ impl PolicyKind {
             PolicyKind::Freq => Box::new(Freq::new(n_slots)),
             PolicyKind::FreqShares => Box::new(Freq::with_shares(n_slots, plan)),
             PolicyKind::FreqAuto => Box::new(FreqAuto::new(plan)),
+            PolicyKind::Reuse => Box::new(Freq::with_reuse(n_slots, plan)),
         }
     }
 }
@@ -61,6 +66,7 @@ mod tests {
         assert_eq!(PolicyKind::parse("freq"), Ok(PolicyKind::Freq));
         assert_eq!(PolicyKind::default(), PolicyKind::FreqAuto);
         assert_eq!(PolicyKind::parse("freq-shares"), Ok(PolicyKind::FreqShares));
+        assert_eq!(PolicyKind::parse("reuse"), Ok(PolicyKind::Reuse));
         let e = PolicyKind::parse("fifo").unwrap_err();
         assert!(e.contains("'fifo'") && e.contains("lru"), "{e}");
     }

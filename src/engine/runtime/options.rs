@@ -66,8 +66,9 @@ pub const HELP: &str = "\
                          (env: SDQ_RESERVE_MB, in MiB; default budget/16 within 128 MiB..1 GiB)
 --sdq-stats FILE         write the pager's figures as JSON at exit (env: SDQ_STATS_FILE)
 --sdq-policy NAME        which arena slot to evict: freq-auto (the default: use counts with
-                         aging, each layer within its share of the arena or not, whichever
-                         has been hitting more), freq-shares, freq or lru (env: SDQ_POLICY)
+                         aging, each layer within its share of the arena or not, a chance
+                         of reuse learned as it runs, or LRU, whichever has been hitting
+                         more), freq-shares, freq, lru or reuse (env: SDQ_POLICY)
 --sdq-trace FILE         record the routing as CSV, one row per selected expert, for
                          `sdq replay` (env: SDQ_TRACE_FILE)
 --sdq-hotset FILE        warm start: read the experts FILE lists (and the policy's counts)

@@ -91,7 +91,8 @@ impl Runtime {
         };
         let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
         let pages = self.options.pages.unwrap_or_default();
-        let pager = Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), pages)?;
+        let pager =
+            Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), top_k, pages)?;
         if let Some(why) = pager.arena_fallback() {
             eprintln!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
         }
