@@ -10,8 +10,8 @@ use std::ops::Range;
 
 /// How many tokens it takes a shadow's hit count to halve in `FreqAuto`.
 /// Chosen on the first half of the trained trace (steps 0-64): with the
-/// reuse way among the ways, 64 left the default 0.6 points below freq at
-/// 1 token cycle and 24 to 48 held within 0.5 (docs/BENCHMARKS.md,
+/// reuse way among the ways, 64 left the default 0.10 points below LRU
+/// there and 32 0.03, which `AUTO_MARGIN` closes (docs/BENCHMARKS.md,
 /// "A chance of reuse learned as the run goes").
 const AUTO_HALF_LIFE_TOKENS: f64 = 32.0;
 

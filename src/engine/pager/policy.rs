@@ -381,6 +381,8 @@ impl Policy for Freq {
     }
 
     fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
+        // New counts: every slot's score is to be found again.
+        self.score_cache.get_mut().0 = f64::NAN;
         for &((l, e), c) in counts {
             let (l, e) = (l as usize, e as usize);
             if self.counts.len() <= l {
