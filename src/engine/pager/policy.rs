@@ -348,9 +348,11 @@ impl Policy for Freq {
         if self.counts[l].len() <= e {
             self.counts[l].resize(e + 1, (0.0, 0));
         }
-        if let Some(r) = self.reuse.as_deref_mut() {
-            let (c, at) = self.counts[l][e];
-            r.used(key, c * decay(now.saturating_sub(at)));
+        if self.reuse.is_some() {
+            let before = self.count(key);
+            if let Some(r) = self.reuse.as_deref_mut() {
+                r.used(key, before);
+            }
         }
         let c = &mut self.counts[l][e];
         // One count per batch, however many of the batch's tokens chose it.
