@@ -150,6 +150,11 @@ pub struct Freq {
     /// With shares: per layer, how many layers share its slot class (0 for
     /// a layer not in the plan, which has no share).
     sharers: Option<Vec<usize>>,
+    /// With shares: per layer, the range of its class's slots (empty for a
+    /// layer not in the plan), and how many slots of any range hold its
+    /// experts, kept as slots change rather than counted per miss.
+    class_slots: Vec<Range<SlotId>>,
+    held: Vec<usize>,
     /// Whether the shares apply now (`FreqAuto` switches them).
     pub(super) shares_on: bool,
     /// With it, a slot's worth is its expert's chance of use within the
@@ -177,6 +182,8 @@ impl Freq {
             last_run: Vec::new(),
             now: 0,
             sharers: None,
+            class_slots: Vec::new(),
+            held: Vec::new(),
             shares_on: false,
             reuse: None,
             score_cache: RefCell::new((f64::NAN, Vec::new())),
@@ -186,7 +193,11 @@ impl Freq {
     /// Freq with each layer in an equal share of its class, as `plan` gives
     /// each layer's class.
     pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
-        Freq { sharers: Some(plan.class_layers()), shares_on: true, ..Freq::new(n_slots) }
+        let mut class_slots = vec![0..0; plan.class_layers().len()];
+        for &(l, c) in &plan.layer_class {
+            class_slots[l as usize] = plan.classes.get(c).cloned().unwrap_or(0..0);
+        }
+        Freq { sharers: Some(plan.class_layers()), class_slots, shares_on: true, ..Freq::new(n_slots) }
     }
 
     /// Freq over the whole class that keeps the experts likeliest to be
@@ -249,6 +260,38 @@ impl Freq {
         1.0 / p - 1.0 + self.until_run(key.0, n_layers)
     }
 
+    /// `slot` now holds `to`: its score is to be found again, and the
+    /// layers' held counts follow.
+    fn set_slot(&mut self, slot: SlotId, to: Option<(ExpertKey, bool)>) {
+        self.forget_score(slot);
+        if let Some(((l, _), _)) = self.slots[slot] {
+            self.held[l as usize] -= 1;
+        }
+        if let Some(((l, _), _)) = to {
+            if self.held.len() <= l as usize {
+                self.held.resize(l as usize + 1, 0);
+            }
+            self.held[l as usize] += 1;
+        }
+        self.slots[slot] = to;
+    }
+
+    /// Per layer: how many of `slots` hold its experts (at least `layer + 1` long).
+    fn held_in(&self, layer: u32, slots: &Range<SlotId>) -> std::borrow::Cow<'_, [usize]> {
+        let n = self.held.len().max(layer as usize + 1);
+        if self.class_slots.get(layer as usize) == Some(slots) && self.held.len() == n {
+            // The whole class: a layer's experts are held in its class only.
+            return std::borrow::Cow::Borrowed(&self.held);
+        }
+        let mut held = vec![0usize; n];
+        for s in slots.clone() {
+            if let Some(((l, _), _)) = self.slots[s] {
+                held[l as usize] += 1;
+            }
+        }
+        std::borrow::Cow::Owned(held)
+    }
+
     /// `slot`'s score is to be found again.
     fn forget_score(&mut self, slot: SlotId) {
         if let Some(w) = self.score_cache.get_mut().1.get_mut(slot) {
@@ -302,8 +345,20 @@ const MAX_REUSE_RUNS: u64 = 16;
 
 /// The factor a count keeps after `batches` of its layer.
 fn decay(batches: u64) -> f64 {
+    match DECAY.get(batches as usize) {
+        Some(&d) => d,
+        None => decay_of(batches),
+    }
+}
+
+fn decay_of(batches: u64) -> f64 {
     (-(batches as f64) / FREQ_HALF_LIFE).exp2()
 }
+
+/// `decay` of the ages a count is read at most (every slot's scan reads
+/// one), found once: the same values, without an `exp2` per read.
+static DECAY: once_cell::sync::Lazy<Vec<f64>> = once_cell::sync::Lazy::new(|| (0..DECAY_TABLE).map(decay_of).collect());
+const DECAY_TABLE: u64 = 4096;
 
 impl Policy for Freq {
     fn name(&self) -> &'static str {
@@ -335,8 +390,7 @@ impl Policy for Freq {
     }
 
     fn filled(&mut self, slot: SlotId, key: ExpertKey) {
-        self.forget_score(slot);
-        self.slots[slot] = Some((key, true));
+        self.set_slot(slot, Some((key, true)));
     }
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
@@ -359,13 +413,11 @@ impl Policy for Freq {
         if c.1 != now || c.0 == 0.0 {
             *c = (c.0 * decay(now.saturating_sub(c.1)) + 1.0, now);
         }
-        self.forget_score(slot);
-        self.slots[slot] = Some((key, false));
+        self.set_slot(slot, Some((key, false)));
     }
 
     fn forget(&mut self, slot: SlotId) {
-        self.forget_score(slot);
-        self.slots[slot] = None;
+        self.set_slot(slot, None);
     }
 
     fn counts(&self) -> Vec<(ExpertKey, f64)> {
@@ -403,15 +455,7 @@ impl Policy for Freq {
             return self.farthest(layer, slots, evictable, &any);
         };
         let share = (slots.len() / sharers).max(1);
-        let mut held = vec![0usize; self.counts.len().max(layer as usize + 1)];
-        for s in slots.clone() {
-            if let Some(((l, _), _)) = self.slots[s] {
-                if held.len() <= l as usize {
-                    held.resize(l as usize + 1, 0);
-                }
-                held[l as usize] += 1;
-            }
-        }
+        let held = self.held_in(layer, &slots);
         let chosen = if held[layer as usize] >= share {
             // At its share: its own, or what its layer no longer uses.
             self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
@@ -537,6 +581,12 @@ mod tests {
         f.used(0, (0, 5));
         f.begin_batch(0);
         assert_eq!(f.victim(0, 0..4, &|_| true), Some(3));
+        // The held counts kept as slots change are those of a scan; a part
+        // of the class (an arena shrunk) is scanned.
+        assert_eq!(&f.held_in(0, &(0..4))[..2], &[1, 3]);
+        assert_eq!(&f.held_in(1, &(0..3))[..2], &[1, 2]);
+        f.forget(0);
+        assert_eq!(&f.held_in(0, &(0..4))[..2], &[0, 3]);
         // An expert used once long ago is lent to any layer.
         let mut g = Freq::with_shares(4, &plan);
         use_in(&mut g, 0, (0, 1), 8);

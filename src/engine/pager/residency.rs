@@ -5,13 +5,17 @@
 use super::arena::SlotId;
 use super::policy::Policy;
 use super::ExpertKey;
-use std::collections::HashMap;
 use std::ops::Range;
 
 /// The slot table and the eviction policy that fills it.
 pub struct Residency {
     keys: Vec<Option<ExpertKey>>,
-    table: HashMap<ExpertKey, SlotId>,
+    /// Per layer, per expert: its slot. Dense, as layers and experts are
+    /// numbered from 0: a lookup per use, where hashing the key cost as
+    /// much as the policy's bookkeeping.
+    table: Vec<Vec<Option<SlotId>>>,
+    /// Experts held.
+    held: usize,
     policy: Box<dyn Policy>,
 }
 
@@ -38,7 +42,7 @@ pub struct Admission {
 
 impl Residency {
     pub fn new(n_slots: usize, policy: Box<dyn Policy>) -> Residency {
-        Residency { keys: vec![None; n_slots], table: HashMap::new(), policy }
+        Residency { keys: vec![None; n_slots], table: Vec::new(), held: 0, policy }
     }
 
     pub fn policy_name(&self) -> &'static str {
@@ -47,7 +51,18 @@ impl Residency {
 
     /// The slot holding (or being filled with) `key`.
     pub fn slot_of(&self, key: ExpertKey) -> Option<SlotId> {
-        self.table.get(&key).copied()
+        self.table.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().flatten()
+    }
+
+    fn entry(&mut self, key: ExpertKey) -> &mut Option<SlotId> {
+        let (l, e) = (key.0 as usize, key.1 as usize);
+        if self.table.len() <= l {
+            self.table.resize(l + 1, Vec::new());
+        }
+        if self.table[l].len() <= e {
+            self.table[l].resize(e + 1, None);
+        }
+        &mut self.table[l][e]
     }
 
     /// What `slot` holds (or is being filled with).
@@ -57,11 +72,11 @@ impl Residency {
 
     /// Experts held.
     pub fn len(&self) -> usize {
-        self.table.len()
+        self.held
     }
 
     pub fn is_empty(&self) -> bool {
-        self.table.is_empty()
+        self.held == 0
     }
 
     /// One batch's lookups of `experts` (distinct) of `layer`, whose slots
@@ -120,13 +135,15 @@ impl Residency {
     pub fn fill(&mut self, slot: SlotId, key: ExpertKey) -> Option<ExpertKey> {
         let old = self.keys[slot].take();
         if let Some(old) = old {
-            self.table.remove(&old);
+            *self.entry(old) = None;
+            self.held -= 1;
         }
-        if let Some(prev) = self.table.insert(key, slot) {
+        if let Some(prev) = self.entry(key).replace(slot) {
             // A key lives in one slot: filling a second would leave the
             // first stale and published.
             panic!("expert {key:?} filled into slot {slot} while slot {prev} holds it");
         }
+        self.held += 1;
         self.keys[slot] = Some(key);
         self.policy.filled(slot, key);
         old
@@ -142,7 +159,8 @@ impl Residency {
     /// Empties `slot` (its read failed): it goes first.
     pub fn clear(&mut self, slot: SlotId) {
         if let Some(old) = self.keys[slot].take() {
-            self.table.remove(&old);
+            *self.entry(old) = None;
+            self.held -= 1;
         }
         self.policy.forget(slot);
     }
