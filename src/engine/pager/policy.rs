@@ -151,9 +151,10 @@ pub struct Freq {
     /// a layer not in the plan, which has no share).
     sharers: Option<Vec<usize>>,
     /// With shares: per layer, the range of its class's slots (empty for a
-    /// layer not in the plan), and how many slots of any range hold its
-    /// experts, kept as slots change rather than counted per miss.
+    /// layer not in the plan).
     class_slots: Vec<Range<SlotId>>,
+    /// Per layer: how many slots hold its experts, kept as slots change so
+    /// that shares need not count them at every miss.
     held: Vec<usize>,
     /// Whether the shares apply now (`FreqAuto` switches them).
     pub(super) shares_on: bool,

@@ -54,6 +54,7 @@ impl Residency {
         self.table.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().flatten()
     }
 
+    /// `key`'s place in `table`, made where it is missing.
     fn entry(&mut self, key: ExpertKey) -> &mut Option<SlotId> {
         let (l, e) = (key.0 as usize, key.1 as usize);
         if self.table.len() <= l {
