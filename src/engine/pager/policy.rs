@@ -147,9 +147,12 @@ pub struct Freq {
     last_run: Vec<u64>,
     /// Batches run, all layers.
     now: u64,
-    /// With shares: per layer, how many layers share its slot class (0 for
-    /// a layer not in the plan, which has no share).
-    sharers: Option<Vec<usize>>,
+    /// Per layer, from the plan: how many layers share its slot class (0
+    /// for a layer not in the plan, which has no share). Empty without a
+    /// plan (`Freq::new`).
+    class_layers: Vec<usize>,
+    /// Whether it keeps each layer to its share (`Freq::with_shares`).
+    has_shares: bool,
     /// With shares: per layer, the range of its class's slots (empty for a
     /// layer not in the plan).
     class_slots: Vec<Range<SlotId>>,
@@ -182,7 +185,8 @@ impl Freq {
             layer_batches: Vec::new(),
             last_run: Vec::new(),
             now: 0,
-            sharers: None,
+            class_layers: Vec::new(),
+            has_shares: false,
             class_slots: Vec::new(),
             held: Vec::new(),
             shares_on: false,
@@ -194,11 +198,12 @@ impl Freq {
     /// Freq with each layer in an equal share of its class, as `plan` gives
     /// each layer's class.
     pub fn with_shares(n_slots: usize, plan: &Plan) -> Freq {
-        let mut class_slots = vec![0..0; plan.class_layers().len()];
+        let class_layers = plan.class_layers();
+        let mut class_slots = vec![0..0; class_layers.len()];
         for &(l, c) in &plan.layer_class {
             class_slots[l as usize] = plan.classes.get(c).cloned().unwrap_or(0..0);
         }
-        Freq { sharers: Some(plan.class_layers()), class_slots, shares_on: true, ..Freq::new(n_slots) }
+        Freq { class_layers, has_shares: true, class_slots, shares_on: true, ..Freq::new(n_slots) }
     }
 
     /// Freq over the whole class that keeps the experts likeliest to be
@@ -212,7 +217,7 @@ impl Freq {
     /// an arena of one or two tokens it is worth more than one of a higher
     /// count, and in a larger one less.
     pub fn with_reuse(n_slots: usize, plan: &Plan) -> Freq {
-        Freq { reuse: Some(Box::new(Reuse::new(FREQ_HALF_LIFE, plan.top_k, plan.class_layers()))), ..Freq::new(n_slots) }
+        Freq { class_layers: plan.class_layers(), reuse: Some(Box::new(Reuse::new(FREQ_HALF_LIFE, plan.top_k))), ..Freq::new(n_slots) }
     }
 
     /// The evictable slot in `slots` (of `layer`'s class) allowed by
@@ -222,7 +227,7 @@ impl Freq {
     fn farthest(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool, allowed: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         let n_layers = self.last_run.iter().filter(|&&t| t > 0).count().max(1) as f64;
         // `slots` are the slots of `layer`'s class usable now.
-        let horizon = self.reuse.as_deref().map_or(0.0, |r| r.horizon(layer, slots.len()));
+        let horizon = self.reuse.as_deref().map_or(0.0, |r| r.horizon(slots.len(), self.class_layers.get(layer as usize).copied().unwrap_or(1)));
         let mut cache = self.score_cache.borrow_mut();
         if cache.0 != horizon {
             *cache = (horizon, vec![f64::NAN; self.slots.len()]);
@@ -363,7 +368,7 @@ const DECAY_TABLE: u64 = 4096;
 
 impl Policy for Freq {
     fn name(&self) -> &'static str {
-        match (self.sharers.is_some(), self.reuse.is_some()) {
+        match (self.has_shares, self.reuse.is_some()) {
             (_, true) => "reuse",
             (true, false) => "freq-shares",
             (false, false) => "freq",
@@ -452,7 +457,7 @@ impl Policy for Freq {
 
     fn victim(&self, layer: u32, slots: Range<SlotId>, evictable: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
         let any = |_: SlotId| true;
-        let Some(sharers) = self.sharers.as_ref().filter(|_| self.shares_on).and_then(|v| v.get(layer as usize)).copied().filter(|&n| n > 0) else {
+        let Some(sharers) = self.class_layers.get(layer as usize).copied().filter(|&n| n > 0 && self.has_shares && self.shares_on) else {
             return self.farthest(layer, slots, evictable, &any);
         };
         let share = (slots.len() / sharers).max(1);

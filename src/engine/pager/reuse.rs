@@ -100,8 +100,6 @@ pub struct Reuse {
     last: Vec<Vec<u64>>,
     /// Experts a token takes in a layer (0: not known, every batch learned from).
     top_k: usize,
-    /// Per layer: how many layers share its slot class.
-    class_layers: Vec<usize>,
     batch: Option<Batch>,
 }
 
@@ -110,8 +108,8 @@ pub struct Reuse {
 type Batch = (u32, u64, Vec<(u64, f64)>);
 
 impl Reuse {
-    pub fn new(half_life: f64, top_k: usize, class_layers: Vec<usize>) -> Reuse {
-        Reuse { table: ReuseTable::new(half_life), last: Vec::new(), top_k, class_layers, batch: None }
+    pub fn new(half_life: f64, top_k: usize) -> Reuse {
+        Reuse { table: ReuseTable::new(half_life), last: Vec::new(), top_k, batch: None }
     }
 
     /// Batch `index` of `layer` begins.
@@ -166,10 +164,10 @@ impl Reuse {
         }
     }
 
-    /// How many tokens' experts `slots` slots of `layer`'s class hold.
-    pub fn horizon(&self, layer: u32, slots: usize) -> f64 {
-        let sharers = self.class_layers.get(layer as usize).copied().unwrap_or(1).max(1);
-        slots as f64 / (sharers * self.top_k.max(1)) as f64
+    /// How many tokens' experts `slots` slots of a class shared by
+    /// `sharers` layers hold.
+    pub fn horizon(&self, slots: usize, sharers: usize) -> f64 {
+        slots as f64 / (sharers.max(1) * self.top_k.max(1)) as f64
     }
 }
 
@@ -196,7 +194,7 @@ mod tests {
 
     #[test]
     fn a_batch_teaches_the_table_unless_it_is_a_prompts() {
-        let mut r = Reuse::new(64.0, 2, vec![1]);
+        let mut r = Reuse::new(64.0, 2);
         // Batch 1 of layer 0 uses experts 0 and 1; batch 2 uses 0 and 2.
         r.begin_batch(0, 1);
         r.used((0, 0), 0.0);
@@ -219,6 +217,6 @@ mod tests {
         r.close_batch(|_| 1.0);
         assert_eq!(r.table.expected.iter().flatten().sum::<f64>(), 2.0 * rate);
         assert_eq!(r.last_use((0, 3)), 3, "its uses still count as uses");
-        assert_eq!(r.horizon(0, 8), 4.0);
+        assert_eq!(r.horizon(8, 1), 4.0);
     }
 }
