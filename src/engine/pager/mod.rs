@@ -55,6 +55,19 @@ use std::time::Instant;
 /// (layer, expert)
 pub type ExpertKey = (u32, u32);
 
+/// `key`'s cell of a table kept per layer, per expert (layers and experts
+/// are numbered from 0), the table grown with defaults to hold it.
+fn expert_cell<T: Clone + Default>(table: &mut Vec<Vec<T>>, key: ExpertKey) -> &mut T {
+    let (l, e) = (key.0 as usize, key.1 as usize);
+    if table.len() <= l {
+        table.resize(l + 1, Vec::new());
+    }
+    if table[l].len() <= e {
+        table[l].resize(e + 1, T::default());
+    }
+    &mut table[l][e]
+}
+
 #[derive(Clone, Copy, Debug, Default)]
 struct Slot {
     pins: u32,

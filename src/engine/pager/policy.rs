@@ -9,7 +9,7 @@
 
 use super::arena::SlotId;
 use super::reuse::Reuse;
-use super::ExpertKey;
+use super::{expert_cell, ExpertKey};
 use std::cell::RefCell;
 use std::ops::Range;
 
@@ -401,20 +401,13 @@ impl Policy for Freq {
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
         let now = self.batches_of(key.0);
-        let (l, e) = (key.0 as usize, key.1 as usize);
-        if self.counts.len() <= l {
-            self.counts.resize(l + 1, Vec::new());
-        }
-        if self.counts[l].len() <= e {
-            self.counts[l].resize(e + 1, (0.0, 0));
-        }
         if self.reuse.is_some() {
             let before = self.count(key);
             if let Some(r) = self.reuse.as_deref_mut() {
                 r.used(key, before);
             }
         }
-        let c = &mut self.counts[l][e];
+        let c = expert_cell(&mut self.counts, key);
         // One count per batch, however many of the batch's tokens chose it.
         if c.1 != now || c.0 == 0.0 {
             *c = (c.0 * decay(now.saturating_sub(c.1)) + 1.0, now);
@@ -443,15 +436,8 @@ impl Policy for Freq {
     fn learn(&mut self, counts: &[(ExpertKey, f64)]) {
         // New counts: every slot's score is to be found again.
         self.score_cache.get_mut().0 = f64::NAN;
-        for &((l, e), c) in counts {
-            let (l, e) = (l as usize, e as usize);
-            if self.counts.len() <= l {
-                self.counts.resize(l + 1, Vec::new());
-            }
-            if self.counts[l].len() <= e {
-                self.counts[l].resize(e + 1, (0.0, 0));
-            }
-            self.counts[l][e] = (c, self.layer_batches.get(l).copied().unwrap_or(0));
+        for &(key, c) in counts {
+            *expert_cell(&mut self.counts, key) = (c, self.batches_of(key.0));
         }
     }
 

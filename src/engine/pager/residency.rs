@@ -4,7 +4,7 @@
 
 use super::arena::SlotId;
 use super::policy::Policy;
-use super::ExpertKey;
+use super::{expert_cell, ExpertKey};
 use std::ops::Range;
 
 /// The slot table and the eviction policy that fills it.
@@ -52,18 +52,6 @@ impl Residency {
     /// The slot holding (or being filled with) `key`.
     pub fn slot_of(&self, key: ExpertKey) -> Option<SlotId> {
         self.table.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().flatten()
-    }
-
-    /// `key`'s place in `table`, made where it is missing.
-    fn entry(&mut self, key: ExpertKey) -> &mut Option<SlotId> {
-        let (l, e) = (key.0 as usize, key.1 as usize);
-        if self.table.len() <= l {
-            self.table.resize(l + 1, Vec::new());
-        }
-        if self.table[l].len() <= e {
-            self.table[l].resize(e + 1, None);
-        }
-        &mut self.table[l][e]
     }
 
     /// What `slot` holds (or is being filled with).
@@ -136,10 +124,10 @@ impl Residency {
     pub fn fill(&mut self, slot: SlotId, key: ExpertKey) -> Option<ExpertKey> {
         let old = self.keys[slot].take();
         if let Some(old) = old {
-            *self.entry(old) = None;
+            *expert_cell(&mut self.table, old) = None;
             self.held -= 1;
         }
-        if let Some(prev) = self.entry(key).replace(slot) {
+        if let Some(prev) = expert_cell(&mut self.table, key).replace(slot) {
             // A key lives in one slot: filling a second would leave the
             // first stale and published.
             panic!("expert {key:?} filled into slot {slot} while slot {prev} holds it");
@@ -160,7 +148,7 @@ impl Residency {
     /// Empties `slot` (its read failed): it goes first.
     pub fn clear(&mut self, slot: SlotId) {
         if let Some(old) = self.keys[slot].take() {
-            *self.entry(old) = None;
+            *expert_cell(&mut self.table, old) = None;
             self.held -= 1;
         }
         self.policy.forget(slot);

@@ -129,17 +129,11 @@ impl Reuse {
 
     /// The batch under way uses `key`, whose count was `count` before it.
     pub fn used(&mut self, key: (u32, u32), count: f64) {
-        let Some((layer, index, used)) = self.batch.as_mut().filter(|b| b.0 == key.0) else { return };
-        let (l, e) = (*layer as usize, key.1 as usize);
-        if self.last.len() <= l {
-            self.last.resize(l + 1, Vec::new());
-        }
-        if self.last[l].len() <= e {
-            self.last[l].resize(e + 1, 0);
-        }
-        if self.last[l][e] != *index {
-            used.push((self.last[l][e], count));
-            self.last[l][e] = *index;
+        let Some((_, index, used)) = self.batch.as_mut().filter(|b| b.0 == key.0) else { return };
+        let last = super::expert_cell(&mut self.last, key);
+        if *last != *index {
+            used.push((*last, count));
+            *last = *index;
         }
     }
 
