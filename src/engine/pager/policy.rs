@@ -156,8 +156,8 @@ pub struct Freq {
     /// With shares: per layer, the range of its class's slots (empty for a
     /// layer not in the plan).
     class_slots: Vec<Range<SlotId>>,
-    /// Per layer: how many slots hold its experts, kept as slots change so
-    /// that shares need not count them at every miss.
+    /// With shares: per layer, how many slots hold its experts, kept as
+    /// slots change so that shares need not count them at every miss.
     held: Vec<usize>,
     /// Whether the shares apply now (`FreqAuto` switches them).
     pub(super) shares_on: bool,
@@ -230,7 +230,11 @@ impl Freq {
         let horizon = self.reuse.as_deref().map_or(0.0, |r| r.horizon(slots.len(), self.class_layers.get(layer as usize).copied().unwrap_or(1)));
         let mut cache = self.score_cache.borrow_mut();
         if cache.0 != horizon {
-            *cache = (horizon, vec![f64::NAN; self.slots.len()]);
+            // A new batch or horizon: every score is to be found again, in
+            // the same vector (one allocation for the run, not one a batch).
+            cache.0 = horizon;
+            cache.1.clear();
+            cache.1.resize(self.slots.len(), f64::NAN);
         }
         let mut score = |s: SlotId| {
             if cache.1[s].is_nan() {
@@ -254,22 +258,31 @@ impl Freq {
         c * decay(self.batches_of(key.0).saturating_sub(at))
     }
 
+    /// `slot`'s expert, its count, and whether it was filled and not used
+    /// since (prefetched, preloaded), which counts as one use: None for an
+    /// empty slot.
+    fn held_expert(&self, slot: SlotId) -> Option<(ExpertKey, f64, bool)> {
+        let (key, fresh) = self.slots[slot]?;
+        let count = self.count(key);
+        Some((key, if fresh { count.max(1.0) } else { count }, fresh))
+    }
+
     /// Tokens until `slot`'s expert is expected to be used; infinite for an empty slot.
     fn next_use(&self, slot: SlotId, n_layers: f64) -> f64 {
-        let Some((key, fresh)) = self.slots[slot] else { return f64::INFINITY };
-        let mut count = self.count(key);
-        if fresh {
-            count = count.max(1.0);
-        }
+        let Some((key, count, _)) = self.held_expert(slot) else { return f64::INFINITY };
         // A count of c over a half-life of H batches is a rate of c·ln2/H per batch.
         let p = (count * std::f64::consts::LN_2 / FREQ_HALF_LIFE).clamp(1e-9, 1.0);
         1.0 / p - 1.0 + self.until_run(key.0, n_layers)
     }
 
-    /// `slot` now holds `to`: its score is to be found again, and the
-    /// layers' held counts follow.
+    /// `slot` now holds `to`: its score is to be found again, and with
+    /// shares the layers' held counts follow.
     fn set_slot(&mut self, slot: SlotId, to: Option<(ExpertKey, bool)>) {
         self.forget_score(slot);
+        if !self.has_shares {
+            self.slots[slot] = to;
+            return;
+        }
         if let Some(((l, _), _)) = self.slots[slot] {
             self.held[l as usize] -= 1;
         }
@@ -321,14 +334,10 @@ impl Freq {
     /// experts as likely to be used, the one whose layer runs sooner frees
     /// its slot sooner, and the layer that just ran waits longest.
     fn worth(&self, r: &Reuse, slot: SlotId, n_layers: f64, horizon: f64) -> f64 {
-        let Some((key, fresh)) = self.slots[slot] else { return -1.0 };
-        let mut count = self.count(key);
+        let Some((key, count, fresh)) = self.held_expert(slot) else { return -1.0 };
         let since = match r.last_use(key) {
             // Filled and not used since (prefetched, preloaded): as if just used.
-            _ if fresh => {
-                count = count.max(1.0);
-                1
-            }
+            _ if fresh => 1,
             0 => u64::MAX / 2,
             last => (self.batches_of(key.0) + 1).saturating_sub(last),
         };
