@@ -23,13 +23,21 @@ use std::time::Instant;
 /// The running command's pid, for the signal forwarder (0: none).
 static CHILD: AtomicI32 = AtomicI32::new(0);
 
+/// A signal that came before the command was running, to forward once it is (0: none).
+static PENDING: AtomicI32 = AtomicI32::new(0);
+
 /// Forwards SIGINT/SIGTERM/SIGHUP to the command, so the runner itself
-/// lives on to collect the report and remove its cgroup.
+/// lives on to collect the report and remove its cgroup. Installed before
+/// the cgroup is made: a signal before the command runs would otherwise
+/// end the runner and leave its cgroup behind; it is kept and forwarded
+/// once the command runs.
 extern "C" fn forward_signal(sig: libc::c_int) {
     let pid = CHILD.load(Ordering::SeqCst);
     if pid > 0 {
         // SAFETY: kill is async-signal-safe and touches no memory of ours.
         unsafe { libc::kill(pid, sig) };
+    } else {
+        PENDING.store(sig, Ordering::SeqCst);
     }
 }
 
@@ -196,6 +204,13 @@ fn children_max_rss() -> u64 {
 /// swap). Returns the report; the command's output passes through.
 pub fn run_limited(limit: u64, read_rate: Option<u64>, argv: &[String]) -> Result<Value> {
     let (program, args) = argv.split_first().ok_or_else(|| Error::invalid("no command to run"))?;
+    // From here a signal must not end the runner before it has removed
+    // what it made: the handler keeps it for the command.
+    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        // SAFETY: installs a handler that only calls kill (async-signal-safe)
+        // or stores to an atomic. The command gets the default back at exec.
+        unsafe { libc::signal(sig, forward_signal as *const () as libc::sighandler_t) };
+    }
     // A cap asked for and not enforced would make every figure read under it
     // wrong, so unlike the memory limit it has no unenforced fallback.
     let read_cap = read_rate.map(ReadCap::create).transpose()?;
@@ -236,9 +251,10 @@ pub fn run_limited(limit: u64, read_rate: Option<u64>, argv: &[String]) -> Resul
     };
     let mut child = cmd.spawn().map_err(|e| Error::io("cannot run", Path::new(program), e))?;
     CHILD.store(child.id() as i32, Ordering::SeqCst);
-    for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
-        // SAFETY: installs a handler that only calls kill (async-signal-safe).
-        unsafe { libc::signal(sig, forward_signal as *const () as libc::sighandler_t) };
+    let pending = PENDING.swap(0, Ordering::SeqCst);
+    if pending != 0 {
+        // SAFETY: signalling our own child, which has not been waited for.
+        unsafe { libc::kill(child.id() as i32, pending) };
     }
     let status = child.wait().map_err(|e| Error::io("waiting for", Path::new(program), e))?;
     CHILD.store(0, Ordering::SeqCst);

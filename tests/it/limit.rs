@@ -121,6 +121,40 @@ fn a_terminated_runner_still_removes_its_cgroup() {
 }
 
 #[test]
+fn a_runner_signalled_as_it_starts_leaves_no_cgroup_behind() {
+    // SIGTERM at moments from the runner's start to its command's: before
+    // its handler is in place it may die of it (then it has made nothing);
+    // after, it forwards the signal, once the command runs if need be, and
+    // ends as the command did. Either way no cgroup of its stays behind.
+    let dir = std::path::Path::new("/sys/fs/cgroup/memory");
+    let mut forwarded = 0;
+    // Every 250 µs over the first 15 ms (where the runner's start lies on
+    // this VM), then a few later moments.
+    for delay_us in (0..60).map(|i| i * 250).chain([20_000, 30_000, 50_000, 80_000]) {
+        let report = scratch().join(format!("limit-early-{delay_us}.json"));
+        let _ = std::fs::remove_file(&report);
+        let mut runner =
+            Command::new(bin("sdq")).args(["limit", "--memory", "256M", "--report", report.to_str().unwrap(), "--", "sleep", "30"]).spawn().unwrap();
+        std::thread::sleep(std::time::Duration::from_micros(delay_us));
+        let started = std::time::Instant::now();
+        assert!(Command::new("kill").args(["-TERM", &runner.id().to_string()]).status().unwrap().success());
+        let status = runner.wait().unwrap();
+        assert!(started.elapsed().as_secs() < 5, "{delay_us} µs: the runner did not stop promptly");
+        if status.code() == Some(128 + 15) {
+            let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            assert_eq!(r["signal"], 15, "{delay_us} µs: {r}");
+            forwarded += 1;
+        } else {
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(status.signal(), Some(15), "{delay_us} µs: {status}");
+        }
+        let leftover = Command::new("find").arg(dir).args(["-maxdepth", "3", "-name", &format!("sdq-limit-{}", runner.id())]).output().unwrap();
+        assert!(leftover.stdout.is_empty(), "{delay_us} µs: cgroup left behind: {}", String::from_utf8_lossy(&leftover.stdout));
+    }
+    assert!(forwarded > 0, "no signal reached a running command");
+}
+
+#[test]
 fn a_limit_the_process_cannot_meet_is_refused_and_the_old_one_stays() {
     // A process that holds 192 MiB and gives nothing back: lowering its
     // limit to 128 MiB must fail within --wait, naming what it holds, and
