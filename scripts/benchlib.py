@@ -1,4 +1,6 @@
 """What the benchmark scripts share."""
+import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -23,6 +25,22 @@ def drop_page_cache(tool, consequence, fatal=False):
             sys.exit(msg)
         print(msg, file=sys.stderr)
         return False
+
+
+def venv_python(tool, work, packages):
+    """The python of a virtual environment in `work`/venv with `packages`
+    (pinned) installed, made on first use: for a script that needs what the
+    system's python lacks. A failed step exits naming it, as `tool`."""
+    venv = os.path.join(work, "venv")
+    py = os.path.join(venv, "bin", "python")
+    if not os.path.exists(py):
+        for cmd in ([sys.executable, "-m", "venv", venv], [py, "-m", "pip", "install", "-q"] + packages):
+            p = subprocess.run(cmd)
+            if p.returncode != 0:
+                # Half made, it would pass for made next time.
+                shutil.rmtree(venv, ignore_errors=True)
+                sys.exit(f"{tool}: {' '.join(cmd)} failed (exit {p.returncode})")
+    return py
 
 
 def free_port():
