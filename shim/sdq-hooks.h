@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 12
+#define SDQ_HOOKS_VERSION 13
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -103,6 +103,11 @@ struct sdq_hooks {
      * does, places its tensors within `one_output` bytes of them (more only
      * for a batch asking more outputs). */
     void (*compute_buffers)(void * user_data, const void * ctx, size_t bytes, size_t one_output);
+
+    /* Context: a decode's next ubatch, of `n_tokens` tokens, starts at
+     * position `pos0` of its (first) sequence; a prompt computed from its
+     * start begins at 0. Called before the ubatch's graph is computed. */
+    void (*ubatch_begins)(void * user_data, int32_t pos0, uint32_t n_tokens);
 
     /* Server: the pager's figures in format `kind` (SDQ_REPORT_*), written
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).

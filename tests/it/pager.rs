@@ -703,6 +703,41 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
 }
 
+/// llama-bench computes each prompt several times from its start (a
+/// warm-up, then its repetitions). Each is a prompt of its own: one of a
+/// single ubatch gets no `-ub` hint however often it runs, and one of four
+/// ubatches is named as such, with a `-ub` that holds it whole (not one
+/// larger than the prompt, nor the four runs taken for one prompt).
+#[test]
+fn llama_bench_hints_only_of_one_prompts_ubatches() {
+    let model = tiny().to_str().unwrap();
+    let bench = |tag: &str, args: &[&str], budget: &str| -> (String, Value) {
+        let stats = scratch().join(format!("bench-hint-{tag}.json"));
+        let o = run(
+            Command::new(bin("llama-bench"))
+                .args(["-m", model, "-t", "2", "-n", "2", "-r", "3", "--ram-budget", budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()])
+                .args(args),
+            300,
+        );
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        (stderr(&o), serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap())
+    };
+    let hints = |err: &str| -> Vec<String> { err.lines().filter(|l| l.starts_with("sdq: hint:")).map(String::from).collect() };
+    let (_, probe) = bench("probe", &["-p", "16"], "1G");
+    // An arena of 2 MiB, a part of what a 16-token ubatch touches: every
+    // ubatch reads its experts again, and the reserve leaves room for the
+    // compute buffers of a larger one.
+    let budget = budget_for(&probe, 16 * MIB, 2 * MIB);
+    let (err, s) = bench("pp16", &["-p", "16"], &budget);
+    assert!(u(&s["prompt"], "tokens") >= 64, "{s}");
+    assert!(u(&s["prompt"], "bytes_read") > 2 * u(&s, "arena_bytes"), "the arena should be too small for a ubatch's experts: {s}");
+    assert_eq!(hints(&err), Vec::<String>::new(), "prompts of one ubatch each");
+    let (err, _) = bench("pp64-ub16", &["-p", "64", "-ub", "16"], &budget);
+    let hints = hints(&err);
+    assert_eq!(hints.len(), 1, "one hint line: {err}");
+    assert!(hints[0].contains("a prompt of 64 tokens ran in 4 ubatches of 16") && hints[0].contains("; -ub 64 "), "{}", hints[0]);
+}
+
 /// Prefetching stops by itself where its predictions miss (routing that
 /// looks trained: about 60 % of this model's forced prefetches are used),
 /// reads less than forced prefetching, and keeps stock's tokens and logits

@@ -8,6 +8,7 @@ use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingReco
 use crate::engine::pager::layout::{PagedTensor, Part};
 use crate::engine::runtime;
 use crate::engine::runtime::failure::{self, fatal, guard};
+use crate::engine::runtime::phases::ContextSize;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
 use std::path::PathBuf;
@@ -47,6 +48,7 @@ pub fn install() {
             abort_requested: Some(abort_requested),
             take_batch_error: Some(take_batch_error),
             compute_buffers: Some(compute_buffers),
+            ubatch_begins: Some(ubatch_begins),
             report: Some(report),
         })
     });
@@ -59,10 +61,22 @@ extern "C" fn abort_requested(_: *mut c_void) -> bool {
     guard("abort_requested", failure::abort_requested)
 }
 
-extern "C" fn compute_buffers(_: *mut c_void, _ctx: *const c_void, bytes: usize, one_output: usize) {
+extern "C" fn compute_buffers(_: *mut c_void, ctx: *const c_void, bytes: usize, one_output: usize) {
     guard("compute_buffers", || {
         if let Some(rt) = runtime::get() {
-            rt.on_compute_buffers(bytes as u64, one_output as u64);
+            // SAFETY: the patched llama_context passes itself, its
+            // parameters set before it reserves its buffers; llama_n_ctx
+            // and llama_n_ubatch only read them.
+            let (n_ctx, n_ubatch) = unsafe { (sys::llama_n_ctx(ctx.cast()), sys::llama_n_ubatch(ctx.cast())) };
+            rt.on_compute_buffers(bytes as u64, one_output as u64, ContextSize { n_ctx: n_ctx as u64, n_ubatch: n_ubatch as u64 });
+        }
+    })
+}
+
+extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, _n_tokens: u32) {
+    guard("ubatch_begins", || {
+        if let Some(rt) = runtime::get() {
+            rt.on_ubatch(pos0);
         }
     })
 }

@@ -25,7 +25,7 @@ use crate::engine::routing::hotset::{HotExpert, HotSet};
 use crate::engine::routing::trace::{Phase, Recorder};
 use crate::error::Error;
 use options::Options;
-use phases::{PagerTotals, PhaseClock, PhaseTotals};
+use phases::{ContextSize, PagerTotals, PhaseClock, PhaseTotals};
 use registry::{LoadedModel, Registry};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -49,6 +49,9 @@ pub struct Runtime {
     /// what it reserved), and the process's anonymous memory then (before
     /// any of their pages were touched).
     compute_buffers: Mutex<Option<(u64, u64)>>,
+    /// The largest context and ubatch of the contexts made, which bound
+    /// what one prompt's ubatches can be (for the `-ub` hint).
+    context_size: Mutex<ContextSize>,
     max_swap: AtomicU64,
     finished: AtomicBool,
     /// The routing being recorded (`--sdq-trace`).
@@ -89,6 +92,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         phases: Mutex::new(PhaseClock::default()),
         peak_rss_anon: AtomicU64::new(0),
         compute_buffers: Mutex::new(None),
+        context_size: Mutex::new(ContextSize::default()),
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
         trace,
@@ -311,11 +315,14 @@ impl Runtime {
     /// places its tensors. A generating tool asks for the last token's
     /// logits only, so the planner counts `one_output`; the rest (every
     /// token's logits, which llama-perplexity asks for) is left to the
-    /// reserve, which such a tool needs to match.
-    pub fn on_compute_buffers(&self, bytes: u64, one_output: u64) {
+    /// reserve, which such a tool needs to match. The context is of `size`.
+    pub fn on_compute_buffers(&self, bytes: u64, one_output: u64, size: ContextSize) {
+        self.context_size.lock().unwrap_or_else(|p| p.into_inner()).widen(size);
         let rss = ProcMemory::read().rss_anon;
         log::debug!(
-            "a context reserved {} of compute buffers, {} of them for a ubatch of one output; the process holds {}",
+            "a context of {} tokens (ubatch {}) reserved {} of compute buffers, {} of them for a ubatch of one output; the process holds {}",
+            size.n_ctx,
+            size.n_ubatch,
             human(bytes),
             human(one_output),
             human(rss)
@@ -438,6 +445,11 @@ impl Runtime {
         }
     }
 
+    /// A decode's next ubatch starts at position `pos0` of its sequence.
+    pub fn on_ubatch(&self, pos0: i32) {
+        self.lock_phases().ubatch_begins(pos0);
+    }
+
     /// Counts the tokens of one batch (called once per batch, at its first
     /// paged layer), which starts that step's clock.
     pub fn count_tokens(&self, n: u64) {
@@ -461,6 +473,11 @@ impl Runtime {
     fn hint_ubatch(&self, run: &crate::engine::runtime::phases::PromptRun) {
         static SAID: AtomicBool = AtomicBool::new(false);
         let Some((pager, plan)) = self.pager.get() else { return };
+        // An arena of every expert evicts none: what the prompt read beyond
+        // what it touched is the preload, which no -ub changes.
+        if pager.holds_every_expert() {
+            return;
+        }
         let now = self.sample_memory().rss_anon;
         let peak = self.peak_rss_anon.load(Ordering::Relaxed).max(now);
         // Compute buffers at this ubatch: what its context reserved (every
@@ -471,7 +488,17 @@ impl Runtime {
         // load, the reserve and one layer's top-k).
         let minimum = plan.rss_anon_at_start + plan.compute_untouched + plan.mapped_weight_bytes + plan.reserve + pager.layout().min_arena_bytes(plan.top_k);
         let headroom = self.budget.saturating_sub(peak).min(self.budget.saturating_sub(minimum));
-        let Some(h) = run.ubatch_hint(compute, headroom) else { return };
+        log::debug!(
+            "prompt of {} tokens in {} steps of {}: read {}, touched {}; compute {}, headroom {}",
+            run.tokens,
+            run.steps,
+            run.ubatch,
+            human(run.bytes_read),
+            human(run.touched_bytes),
+            human(compute),
+            human(headroom)
+        );
+        let Some(h) = run.ubatch_hint(compute, headroom, *self.context_size.lock().unwrap_or_else(|p| p.into_inner())) else { return };
         if SAID.swap(true, Ordering::Relaxed) {
             return;
         }

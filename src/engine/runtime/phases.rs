@@ -76,8 +76,12 @@ pub struct PhaseClock {
     open: Option<Open>,
     pub prompt: PhaseTotals,
     pub decode: PhaseTotals,
-    /// The prompt steps since the last decode step.
+    /// The prompt steps since the last decode step or the last prompt
+    /// computed from its start.
     run: Option<PromptRun>,
+    /// The next step starts its sequence (at position 0), as llama.cpp
+    /// said of the ubatch about to be computed.
+    next_starts_sequence: bool,
 }
 
 /// Consecutive prompt steps (ubatches of one prompt): their tokens, the
@@ -100,6 +104,24 @@ pub struct PromptRun {
     pub touched_bytes: u64,
 }
 
+/// The tokens a context holds (`n_ctx`) and computes in one ubatch
+/// (`n_ubatch`); 0 where not known. One sequence's prompt fits in the
+/// context, and its ubatches are `n_ubatch` tokens but the last.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ContextSize {
+    pub n_ctx: u64,
+    pub n_ubatch: u64,
+}
+
+impl ContextSize {
+    /// The larger of each, over the contexts a process makes (a draft
+    /// model's is another).
+    pub fn widen(&mut self, other: ContextSize) {
+        self.n_ctx = self.n_ctx.max(other.n_ctx);
+        self.n_ubatch = self.n_ubatch.max(other.n_ubatch);
+    }
+}
+
 /// A larger `-ub` that would read fewer expert bytes for a prompt like the
 /// last one, and whose compute buffers fit the headroom the budget has left.
 /// Each ubatch reads an expert it touches at most once, so one ubatch of the
@@ -116,16 +138,26 @@ pub struct UbatchHint {
 }
 
 impl PromptRun {
-    /// The largest ubatch, of powers of two times the run's and the prompt
-    /// rounded up to 256, that would take fewer ubatches and whose compute
+    /// The largest ubatch, of powers of two times the run's and one that
+    /// holds the whole prompt, that would take fewer ubatches and whose compute
     /// buffers (`compute` bytes at the run's ubatch, growing in proportion)
     /// fit in `headroom`; None if the run read its experts about once
-    /// already (at most 1.25 times the bytes it touched).
-    pub fn ubatch_hint(&self, compute: u64, headroom: u64) -> Option<UbatchHint> {
-        if self.uneven || self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+    /// already (at most 1.25 times the bytes it touched). Steps that
+    /// cannot be one prompt's ubatches in a context of `size` (smaller than
+    /// its ubatch, or more tokens than it holds) were batches of their
+    /// own, as llama-bench's warm-up and repetitions of a prompt are, which
+    /// a larger `-ub` would not join: no hint. Nor is one larger than the
+    /// context, to which llama.cpp cuts `-ub`.
+    pub fn ubatch_hint(&self, compute: u64, headroom: u64, size: ContextSize) -> Option<UbatchHint> {
+        let known = |n: u64| if n == 0 { u64::MAX } else { n };
+        let one_prompt = self.ubatch >= size.n_ubatch && self.tokens <= known(size.n_ctx);
+        if !one_prompt || self.uneven || self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
             return None;
         }
-        let whole = self.tokens.div_ceil(256) * 256;
+        // One ubatch of the whole prompt: the smaller of the first doubling
+        // that holds it and the prompt rounded up to 256.
+        let doubling = std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2)).find(|&u| u >= self.tokens).unwrap_or(self.tokens);
+        let whole = doubling.min(self.tokens.div_ceil(256) * 256).min(known(size.n_ctx));
         let mut candidates: Vec<u64> = std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2)).take_while(|&u| u < whole).collect();
         candidates.push(whole);
         candidates.into_iter().rev().find_map(|ubatch| {
@@ -141,20 +173,30 @@ impl PromptRun {
 }
 
 impl PhaseClock {
+    /// The ubatch about to be computed starts at position `pos0` of its
+    /// sequence (told before its step starts).
+    pub fn ubatch_begins(&mut self, pos0: i32) {
+        self.next_starts_sequence = pos0 == 0;
+    }
+
     /// A step of `tokens` tokens starts at `now`, with the pager's totals so
     /// far `pager`; the step before it is closed. A decode step ends the
-    /// prompt run, returned if it had two or more ubatches.
+    /// prompt run, and so does a prompt step that starts its sequence
+    /// (another prompt: llama-bench runs one several times over); the run
+    /// is returned if it had two or more ubatches.
     pub fn step_started(&mut self, tokens: u64, pager: PagerTotals, now: Instant) -> Option<PromptRun> {
         self.close(pager, now);
         self.open = Some(Open { decode: tokens == 1, tokens, started: now, at_start: pager, ended: None });
+        let starts_sequence = std::mem::take(&mut self.next_starts_sequence);
         if tokens > 1 {
+            let ended = if starts_sequence { self.end_run(pager) } else { None };
             let run = self.run.get_or_insert_with(|| PromptRun { bytes_at_start: pager.bytes_read, ..PromptRun::default() });
             run.uneven |= run.steps > 0 && (run.last < run.ubatch || tokens > run.ubatch);
             run.steps += 1;
             run.tokens += tokens;
             run.ubatch = run.ubatch.max(tokens);
             run.last = tokens;
-            None
+            ended
         } else {
             self.end_run(pager)
         }
@@ -205,7 +247,7 @@ impl PhaseClock {
 
     /// The totals with the open step counted as if it closed at `now`.
     pub fn totals(&self, pager: PagerTotals, now: Instant) -> (PhaseTotals, PhaseTotals) {
-        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode, run: None };
+        let mut c = PhaseClock { open: self.open, prompt: self.prompt, decode: self.decode, run: None, next_starts_sequence: false };
         c.close(pager, now);
         (c.prompt, c.decode)
     }
@@ -246,6 +288,7 @@ mod tests {
         // 2,000 tokens in four ubatches of 512, each touching and reading the
         // same 8 experts of 100 bytes: 3,200 read, 800 touched.
         for (i, tokens) in [512, 512, 512, 464].into_iter().enumerate() {
+            c.ubatch_begins(i as i32 * 512);
             c.step_started(tokens, p(i as u64 * 800), now);
             c.touched(0, &[0, 1, 2, 3, 4, 5, 6, 7], 100);
         }
@@ -253,17 +296,17 @@ mod tests {
         assert_eq!((run.steps, run.tokens, run.ubatch, run.bytes_read, run.touched_bytes), (4, 2000, 512, 3200, 800));
         // Compute buffers of 100 B at 512: 2,048 needs 300 B more, which the
         // arena gives up and its one ubatch may read again.
-        let h = run.ubatch_hint(100, 400).unwrap();
+        let h = run.ubatch_hint(100, 400, ContextSize { n_ctx: 4096, n_ubatch: 512 }).unwrap();
         assert_eq!((h.ubatch, h.reads, h.extra), (2048, 1100, 300));
         // With room for 1,024 only: two ubatches of 800 + 100.
-        let h = run.ubatch_hint(100, 150).unwrap();
+        let h = run.ubatch_hint(100, 150, ContextSize::default()).unwrap();
         assert_eq!((h.ubatch, h.reads), (1024, 1800));
-        assert_eq!(run.ubatch_hint(100, 50), None, "no room for a larger ubatch");
+        assert_eq!(run.ubatch_hint(100, 50, ContextSize::default()), None, "no room for a larger ubatch");
         // Buffers so large that what the arena gives up outweighs the saving.
-        assert_eq!(run.ubatch_hint(2_000, u64::MAX), None);
+        assert_eq!(run.ubatch_hint(2_000, u64::MAX, ContextSize::default()), None);
         // A run that read each expert about once has nothing to gain.
         let once = PromptRun { steps: 4, tokens: 2000, ubatch: 512, bytes_read: 900, touched_bytes: 800, ..PromptRun::default() };
-        assert_eq!(once.ubatch_hint(0, u64::MAX), None);
+        assert_eq!(once.ubatch_hint(0, u64::MAX, ContextSize::default()), None);
         // One ubatch is no run.
         c.step_started(300, p(0), now);
         assert!(c.step_started(1, p(10), now).is_none());
@@ -274,6 +317,37 @@ mod tests {
             c.touched(0, &[0, 1], 100);
         }
         let run = c.step_started(1, p(3200), now).expect("four steps");
-        assert_eq!(run.ubatch_hint(0, u64::MAX), None, "{run:?}");
+        assert_eq!(run.ubatch_hint(0, u64::MAX, ContextSize::default()), None, "{run:?}");
+        // A short prompt computed twice from its start (llama-bench's
+        // warm-up and repetition): two prompts of one ubatch, no run.
+        for (i, tokens) in [16, 16].into_iter().enumerate() {
+            c.ubatch_begins(0);
+            c.step_started(tokens, p(i as u64 * 800), now);
+            c.touched(0, &[0, 1], 100);
+        }
+        assert!(c.step_started(1, p(1600), now).is_none());
+        // Two prompts of two ubatches each, back to back: the first ends as
+        // the second starts, and is one prompt's run.
+        for (i, (pos0, tokens)) in [(0, 16), (16, 16), (0, 16), (16, 16)].into_iter().enumerate() {
+            c.ubatch_begins(pos0);
+            let ended = c.step_started(tokens, p(i as u64 * 400), now);
+            assert_eq!(ended.map(|r| (r.steps, r.tokens, r.bytes_read)), (i == 2).then_some((2, 32, 800)), "step {i}");
+        }
+        assert_eq!(c.step_started(1, p(1600), now).map(|r| (r.steps, r.tokens)), Some((2, 32)));
+        // Told no positions, steps of 16 in a context whose ubatch is 512
+        // are batches of their own, which a larger -ub would not join.
+        for (i, tokens) in [16, 16].into_iter().enumerate() {
+            c.step_started(tokens, p(i as u64 * 800), now);
+            c.touched(0, &[0, 1], 100);
+        }
+        let run = c.step_started(1, p(1600), now).expect("two steps");
+        let size = |n_ctx, n_ubatch| ContextSize { n_ctx, n_ubatch };
+        assert_eq!(run.ubatch_hint(0, u64::MAX, size(4096, 512)), None, "{run:?}");
+        // Nor in a context of 20 with a ubatch of 16: 32 tokens do not fit.
+        assert_eq!(run.ubatch_hint(0, u64::MAX, size(20, 16)), None, "{run:?}");
+        // A context that holds them: one prompt's ubatches of 16, joined in
+        // one ubatch of the prompt (not one of 256, larger than the context).
+        let h = run.ubatch_hint(0, u64::MAX, size(48, 16)).expect("ubatches of a -ub 16 context");
+        assert_eq!(h.ubatch, 32, "{h:?}");
     }
 }
