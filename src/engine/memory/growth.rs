@@ -170,7 +170,8 @@ pub fn plan(settings: &ToolSettings, reserve: u64, checkpoint: u64) -> Result<Gr
             // checkpoint), and the answers part from stock's defaults.
             let n = ((reserve / 4).saturating_sub(speculative) / (slots * checkpoint)).clamp(1, MAX_CHECKPOINTS);
             env.push(("LLAMA_ARG_CTX_CHECKPOINTS", n.to_string()));
-            chosen.push(format!("--ctx-checkpoints {n} ({} each, {slots} slots)", human(checkpoint)));
+            let per = if slots == 1 { "slot" } else { "slots" };
+            chosen.push(format!("--ctx-checkpoints {n} ({} each, {slots} {per})", human(checkpoint)));
             n
         }
     };
