@@ -99,6 +99,12 @@ fn errors_exit_nonzero_like_upstream() {
     let o = run(Command::new(bin("llama-completion")).arg("--no-such-flag"), 60);
     assert!(!o.status.success(), "unknown flag exited 0");
     assert!(stderr(&o).contains("no-such-flag"), "error does not name the flag:\n{}", stderr(&o));
+    // Under a budget the same: the error, and no summary of a run that
+    // loaded no model.
+    let o = run(Command::new(bin("llama-completion")).args(["--no-such-flag", "--ram-budget", "1G"]), 60);
+    assert!(!o.status.success(), "unknown flag under a budget exited 0");
+    let err = stderr(&o);
+    assert!(err.contains("no-such-flag") && !err.lines().any(|l| l.starts_with("sdq:")), "{err}");
 }
 
 #[test]

@@ -35,8 +35,8 @@ impl Runtime {
         }
         self.save_hotset();
         self.write_stats(true);
-        if summary {
-            eprintln!("{}", self.summary_line());
+        if let Some(line) = self.summary_line().filter(|_| summary) {
+            eprintln!("{line}");
         }
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         if self.pager.get().is_none() && peak > self.budget {
@@ -82,10 +82,15 @@ impl Runtime {
         }
     }
 
-    pub(super) fn summary_line(&self) -> String {
+    /// The run summed up in one line; None when no model was loaded (a
+    /// tool that stopped at its arguments, as stock's does, says nothing more).
+    pub(super) fn summary_line(&self) -> Option<String> {
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         let swap = self.max_swap.load(Ordering::Relaxed);
-        match self.pager.get() {
+        if self.pager.get().is_none() && self.registry.lock().unwrap_or_else(|p| p.into_inner()).models.is_empty() {
+            return None;
+        }
+        Some(match self.pager.get() {
             None => format!(
                 "sdq: no routed experts were paged (the model has none, or none were used); peak anonymous RSS {} of {} budget, swap {}",
                 human(peak),
@@ -105,7 +110,7 @@ impl Runtime {
                     human(swap)
                 )
             }
-        }
+        })
     }
 
     /// The figures of the stats file in `report`'s format (llama-server's
