@@ -493,8 +493,21 @@ fn bad_budgets_are_clear_errors() {
         assert_eq!(o.status.code(), Some(1), "{flags:?}");
         let err = stderr(&o);
         assert!(err.contains(needle) && !err.contains("panicked"), "{flags:?}: {err}");
+        assert_eq!(err.matches(needle).count(), 1, "{flags:?}: said once: {err}");
         assert!(stdout(&o).trim() == "Hi" || stdout(&o).is_empty(), "{flags:?} produced tokens: {}", stdout(&o));
     }
+    // A budget below what the process holds after load is found when the
+    // arena is planned, by each of ggml's threads at the first paged layer
+    // of a prompt of several tokens; the stats file being written gave the
+    // second thread the time to say it again before the first ended the
+    // process (twice in 4 of 4 runs before). Said once.
+    let stats = scratch().join("bad-budget-stats.json");
+    let tight = ["--ram-budget", "24M", "--sdq-reserve", "1M", "--sdq-stats", stats.to_str().unwrap()];
+    let o = run(Command::new(bin("llama-completion")).args(completion_args(tiny(), "Once upon a time, in a town by the sea", 4)).args(tight), 120);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.matches("the minimum budget is").count(), 1, "said once: {err}");
+    assert!(std::fs::read_to_string(&stats).is_ok_and(|t| t.contains("\"final\": true")), "the stats file is written as the run ends");
     let _ = model;
 }
 

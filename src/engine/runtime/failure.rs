@@ -6,12 +6,25 @@
 
 use super::get;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 
 /// Ends the process at once with `msg` on stderr (and the stats file, if
 /// asked for). For errors inside ggml's callbacks, where nothing can be
 /// returned: no token is produced after this.
 pub fn fatal(msg: &str) -> ! {
+    // ggml's threads compute the same node: each may meet the same error
+    // (a budget too small, seen by every thread of the first paged layer).
+    // The first says it and ends the process; another waits for that end,
+    // and ends it itself should the first not get there.
+    static ENDING: OnceLock<std::thread::ThreadId> = OnceLock::new();
+    let me = std::thread::current().id();
+    if ENDING.set(me).is_err() {
+        if ENDING.get() != Some(&me) {
+            std::thread::sleep(std::time::Duration::from_secs(10));
+        }
+        // SAFETY: as below.
+        unsafe { libc::_exit(1) }
+    }
     eprintln!("sdq: error: {msg}");
     if let Some(rt) = get() {
         rt.finish(false);
