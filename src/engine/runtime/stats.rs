@@ -87,7 +87,7 @@ impl Runtime {
     pub(super) fn summary_line(&self) -> Option<String> {
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         let swap = self.max_swap.load(Ordering::Relaxed);
-        if self.pager.get().is_none() && self.registry.lock().unwrap_or_else(|p| p.into_inner()).models.is_empty() {
+        if self.pager.get().is_none() && self.lock_registry().models.is_empty() {
             return None;
         }
         Some(match self.pager.get() {
