@@ -156,9 +156,10 @@ impl PromptRun {
         }
         // One ubatch of the whole prompt: the smaller of the first doubling
         // that holds it and the prompt rounded up to 256.
-        let doubling = std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2)).find(|&u| u >= self.tokens).unwrap_or(self.tokens);
+        let doublings = || std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2));
+        let doubling = doublings().find(|&u| u >= self.tokens).unwrap_or(self.tokens);
         let whole = doubling.min(self.tokens.div_ceil(256) * 256).min(known(size.n_ctx));
-        let mut candidates: Vec<u64> = std::iter::successors(Some(self.ubatch * 2), |u| Some(u * 2)).take_while(|&u| u < whole).collect();
+        let mut candidates: Vec<u64> = doublings().take_while(|&u| u < whole).collect();
         candidates.push(whole);
         candidates.into_iter().rev().find_map(|ubatch| {
             let steps = self.tokens.div_ceil(ubatch);

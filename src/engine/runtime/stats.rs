@@ -35,7 +35,7 @@ impl Runtime {
         }
         self.save_hotset();
         self.write_stats(true);
-        if let Some(line) = self.summary_line().filter(|_| summary) {
+        if let Some(line) = summary.then(|| self.summary_line()).flatten() {
             eprintln!("{line}");
         }
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
@@ -87,10 +87,8 @@ impl Runtime {
     pub(super) fn summary_line(&self) -> Option<String> {
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         let swap = self.max_swap.load(Ordering::Relaxed);
-        if self.pager.get().is_none() && self.lock_registry().models.is_empty() {
-            return None;
-        }
         Some(match self.pager.get() {
+            None if self.lock_registry().models.is_empty() => return None,
             None => format!(
                 "sdq: no routed experts were paged (the model has none, or none were used); peak anonymous RSS {} of {} budget, swap {}",
                 human(peak),
