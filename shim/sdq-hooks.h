@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 13
+#define SDQ_HOOKS_VERSION 14
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -109,6 +109,28 @@ struct sdq_hooks {
      * start begins at 0. Called before the ubatch's graph is computed. */
     void (*ubatch_begins)(void * user_data, int32_t pos0, uint32_t n_tokens);
 
+    /* Context: a decode of `n_ubatches` ubatches of `n_ubatch` tokens (the
+     * last one may be shorter), one sequence's, asking at most one output:
+     * how many of them to compute together, layer by layer across them
+     * (sdq-pieces.h); 0 or 1 computes them one at a time, as stock. */
+    uint32_t (*group_size)(void * user_data, uint32_t n_ubatches, uint32_t n_ubatch);
+    /* Context: the next `n_ubatches` ubatches (`n_tokens` tokens) are
+     * computed together, as one step; group_ends follows when they are
+     * computed or failed (it may also follow a group that never began). */
+    void (*group_begins)(void * user_data, uint32_t n_ubatches, uint32_t n_tokens);
+    /* Context: `n_staged` ubatches of a group are staged, holding `bytes`
+     * (their graphs and what they keep aside): true if another may be
+     * staged, false to compute these now. */
+    bool (*group_room)(void * user_data, uint32_t n_staged, size_t bytes);
+    void (*group_ends)(void * user_data);
+    /* Graph: the paged layer whose experts graph node `node` computes (one
+     * of sdq's expert ops), or -1. A group's graphs are cut before each
+     * layer's first such node. */
+    int (*expert_layer)(void * user_data, const struct ggml_tensor * node);
+    /* Compute: the routing of expert op `node` (expert_layer >= 0) is
+     * computed, and the op runs once the group's other ubatches have had
+     * their turn: its experts can be read now. */
+    void (*experts_ahead)(void * user_data, const struct ggml_tensor * node);
     /* Server: the pager's figures in format `kind` (SDQ_REPORT_*), written
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
      * Returns the text's whole length, as snprintf does. */

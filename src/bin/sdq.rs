@@ -332,9 +332,13 @@ struct EvalArgs {
     threads: i32,
     #[arg(short = 'c', long, default_value_t = 1024)]
     ctx_size: u32,
-    /// Prompt tokens per llama_decode call (physical batch).
+    /// Prompt tokens computed per graph (physical batch, as -ub).
     #[arg(long, default_value_t = 512)]
     ubatch: u32,
+    /// Prompt tokens per llama_decode call (logical batch, as -b; default:
+    /// the ubatch), which llama.cpp splits into ubatches.
+    #[arg(long, default_value_t = 0)]
+    batch: u32,
     /// Disable llama.cpp's repacked weight layouts (as --no-repack).
     #[arg(long)]
     no_repack: bool,
@@ -357,6 +361,7 @@ fn eval(a: EvalArgs) -> sdq::Result<()> {
         threads: a.threads,
         n_ctx: a.ctx_size,
         ubatch: a.ubatch,
+        batch: a.batch,
         repack: !a.no_repack,
         load_only: a.load_only,
     };

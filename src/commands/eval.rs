@@ -14,8 +14,11 @@ pub struct EvalParams {
     pub n_predict: usize,
     pub threads: i32,
     pub n_ctx: u32,
-    /// Physical batch: prompt tokens evaluated per llama_decode call.
+    /// Physical batch: prompt tokens computed per graph.
     pub ubatch: u32,
+    /// Logical batch: prompt tokens given to one llama_decode call (0: the
+    /// ubatch), which splits them into ubatches.
+    pub batch: u32,
     /// Allow llama.cpp's repacked CPU weight layouts (its default).
     pub repack: bool,
     /// Stop after loading the model and creating the context.
@@ -70,7 +73,8 @@ pub fn run(model: &Path, p: &EvalParams) -> Result<EvalResult> {
         }
         let mut cp = sys::llama_context_default_params();
         cp.n_ctx = p.n_ctx;
-        cp.n_batch = p.ubatch;
+        let batch = if p.batch == 0 { p.ubatch } else { p.batch.max(p.ubatch) };
+        cp.n_batch = batch;
         cp.n_ubatch = p.ubatch;
         cp.n_threads = p.threads;
         cp.n_threads_batch = p.threads;
@@ -97,7 +101,7 @@ pub fn run(model: &Path, p: &EvalParams) -> Result<EvalResult> {
         }
 
         let decode = |tokens: &mut [i32]| -> Result<()> {
-            for chunk in tokens.chunks_mut(p.ubatch as usize) {
+            for chunk in tokens.chunks_mut(batch as usize) {
                 let rc = sys::llama_decode(s.ctx, sys::llama_batch_get_one(chunk.as_mut_ptr(), chunk.len() as i32));
                 if rc != 0 {
                     return Err(Error::invalid(format!("llama_decode failed ({rc})")));

@@ -84,6 +84,29 @@ fn check_family(case: &Case) {
             }
         }
     }
+    check_grouped_prompt(case, &model);
+}
+
+/// A prompt of several ubatches given to one llama_decode, computed layer by
+/// layer across them (patch 0013) at an arena that holds a layer's experts
+/// but not the model's: the same tokens and logits as stock with the same
+/// flags, the KV cache, recurrent state and sliding windows crossing the
+/// ubatches as in stock's order.
+fn check_grouped_prompt(case: &Case, model: &std::path::Path) {
+    let prompt = crate::pager::long_prompt();
+    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "8", "-t", "2", "-c", "1024", "--ubatch", "96", "--batch", "1024"];
+    let stock = eval(model, &format!("{}-grouped-stock", case.name), &base);
+    let probe = eval(model, &format!("{}-grouped-probe", case.name), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "64M"]].concat());
+    let stats = probe.stats.unwrap();
+    let (all, layer) = (all_arena(&stats, case.experts), all_arena(&stats, case.experts) / case.paged_layers);
+    let budget = budget_for(&stats, 64 * MIB, (all / 2).max(layer * 2));
+    let what = format!("{}: a grouped prompt", case.name);
+    let run = eval(model, &format!("{}-grouped", case.name), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat());
+    assert_eq!(run.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
+    assert_eq!(max_abs_diff(&run.logits, &stock.logits), 0.0, "{what}: logits differ");
+    let s = run.stats.as_ref().unwrap();
+    let (groups, ubatches) = (u(&s["prompt_groups"], "groups"), u(&s["prompt_groups"], "ubatches"));
+    assert!(groups >= 1 && ubatches >= 6 && ubatches >= 2 * groups, "{what}: not computed in groups of several ubatches: {s}");
 }
 
 macro_rules! family_tests {

@@ -724,31 +724,48 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
 #[test]
 fn llama_bench_hints_only_of_one_prompts_ubatches() {
     let model = tiny().to_str().unwrap();
-    let bench = |tag: &str, args: &[&str], budget: &str| -> (String, Value) {
+    let bench = |tag: &str, args: &[&str], budget: &str, reserve: &str, env: &[(&str, &str)]| -> (String, Value) {
         let stats = scratch().join(format!("bench-hint-{tag}.json"));
         let o = run(
             Command::new(bin("llama-bench"))
-                .args(["-m", model, "-t", "2", "-n", "2", "-r", "3", "--ram-budget", budget, "--sdq-reserve", "16M", "--sdq-stats", stats.to_str().unwrap()])
-                .args(args),
+                .args(["-m", model, "-t", "2", "-n", "2", "-r", "3", "--ram-budget", budget, "--sdq-reserve", reserve, "--sdq-stats", stats.to_str().unwrap()])
+                .args(args)
+                .envs(env.iter().copied()),
             300,
         );
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         (stderr(&o), serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap())
     };
     let hints = |err: &str| -> Vec<String> { err.lines().filter(|l| l.starts_with("sdq: hint:")).map(String::from).collect() };
-    let (_, probe) = bench("probe", &["-p", "16"], "1G");
+    let one_at_a_time = [("SDQ_GROUP", "1")];
+    let (_, probe) = bench("probe", &["-p", "16"], "1G", "16M", &[]);
     // An arena of 2 MiB, a part of what a 16-token ubatch touches: every
     // ubatch reads its experts again, and the reserve leaves room for the
     // compute buffers of a larger one.
     let budget = budget_for(&probe, 16 * MIB, 2 * MIB);
-    let (err, s) = bench("pp16", &["-p", "16"], &budget);
+    let (err, s) = bench("pp16", &["-p", "16"], &budget, "16M", &one_at_a_time);
     assert!(u(&s["prompt"], "tokens") >= 64, "{s}");
     assert!(u(&s["prompt"], "bytes_read") > 2 * u(&s, "arena_bytes"), "the arena should be too small for a ubatch's experts: {s}");
     assert_eq!(hints(&err), Vec::<String>::new(), "prompts of one ubatch each");
-    let (err, _) = bench("pp64-ub16", &["-p", "64", "-ub", "16"], &budget);
-    let hints = hints(&err);
-    assert_eq!(hints.len(), 1, "one hint line: {err}");
-    assert!(hints[0].contains("a prompt of 64 tokens ran in 4 ubatches of 16") && hints[0].contains("; -ub 64 "), "{}", hints[0]);
+    let (err, _) = bench("pp64-ub16", &["-p", "64", "-ub", "16"], &budget, "16M", &one_at_a_time);
+    let h = hints(&err);
+    assert_eq!(h.len(), 1, "one hint line: {err}");
+    assert!(h[0].contains("a prompt of 64 tokens ran in 4 ubatches of 16") && h[0].contains("; -ub 64 "), "{}", h[0]);
+    // An arena of about two layers' experts: a llama_decode batch's ubatches are
+    // computed together, so one batch of the prompt reads each expert once
+    // (no hint), and the hint names a -b of the whole prompt where the
+    // prompt came in several batches.
+    // (A reserve of 128 MiB, whose eighth holds a group's four staged
+    // ubatches; probed grouped: they are held when the arena is planned.)
+    let (_, grouped_probe) = bench("probe-grouped", &["-p", "64", "-ub", "16"], "1G", "128M", &[]);
+    let (layers, layers_grouped) = (budget_for(&probe, 128 * MIB, 5 * MIB), budget_for(&grouped_probe, 128 * MIB, 5 * MIB));
+    let (err, s) = bench("pp64-ub16-grouped", &["-p", "64", "-ub", "16"], &layers_grouped, "128M", &[]);
+    assert!(u(&s["prompt_groups"], "groups") >= 3 && u(&s["prompt_groups"], "ubatches") == 4 * u(&s["prompt_groups"], "groups"), "each prompt one group: {s}");
+    assert_eq!(hints(&err), Vec::<String>::new(), "a prompt in one batch: {err}");
+    let (err, _) = bench("pp64-b16", &["-p", "64", "-b", "16", "-ub", "16"], &layers, "128M", &[]);
+    let h = hints(&err);
+    assert_eq!(h.len(), 1, "one hint line: {err}");
+    assert!(h[0].contains("a prompt of 64 tokens ran in 4 batches of up to 16") && h[0].contains("; -b 64 "), "{}", h[0]);
 }
 
 /// Prefetching stops by itself where its predictions miss (routing that

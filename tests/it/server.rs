@@ -570,3 +570,85 @@ fn the_chat_page_is_served_at_the_root() {
     drop(server);
     assert!(head.starts_with("http/1.1 404"), "--no-webui: {head}");
 }
+
+/// Long prompts pasted into a chat, at llama-server's default flags (-b 2048,
+/// -ub 512, prompt caching on; a reserve of 512 MiB, whose eighth holds a
+/// group of four staged ubatches of this model) under a budget whose arena
+/// holds two layers' experts, not the model's: each llama_decode batch of
+/// a prompt (the server cuts a prompt into several, for its checkpoints) is
+/// computed layer by layer across its ubatches, the answers are stock's,
+/// the prompts read less than one ubatch at a time does (`SDQ_GROUP=1`),
+/// the same conversation asked again reads nothing for its cached prompt,
+/// and `/metrics` and the stats file give the prompt's bytes read against
+/// its touched experts' bytes.
+#[test]
+fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
+    let model = tiny().to_str().unwrap();
+    // Two texts of their own (the long one does not start with the short
+    // one, which the prompt cache would reuse).
+    let words = |n: usize, seed: u64| -> String {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                ["the", "red", "sea", "old", "town", "light", "stone", "river"][(x >> 40) as usize % 8]
+            })
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    let (short, long) = (words(1_800, 11), words(3_600, 12));
+    let chat = |port: u16, text: &str| -> (String, Value) {
+        let body = serde_json::json!({ "messages": [{ "role": "user", "content": text }], "max_tokens": 8, "top_k": 1, "temperature": 0 }).to_string();
+        let (status, body) = http(port, "POST", "/v1/chat/completions", Some(&body)).expect("an answer within its timeout");
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        (v["choices"][0]["message"]["content"].as_str().unwrap().to_string(), v["timings"].clone())
+    };
+    let args = ["-m", model, "-c", "4096", "--metrics"];
+    let (stock_server, port) = start_server(&args);
+    let stock: Vec<String> = [&short, &long].iter().map(|t| chat(port, t).0).collect();
+    drop(stock_server);
+
+    let probe_stats = scratch().join("server-long-probe.json");
+    let (probe, port) = start_server(&[&args[..], &["--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
+    chat(port, &short);
+    assert!(stop(probe).success());
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let two_layers = 2 * all_arena(&probe, 16) / 8;
+    let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, two_layers + crate::pager::MIB);
+    let sample = |metrics: &str, name: &str| -> f64 {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
+    };
+    // The two prompts and the short one again; what the prompts read, by /metrics and the stats file.
+    let serve = |tag: &str, env: &[(&str, &str)]| -> (Vec<String>, f64, Value) {
+        let stats = scratch().join(format!("server-long-{tag}.json"));
+        let (server, port) =
+            start_server_env(&[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()]].concat(), env);
+        let (first, _) = chat(port, &short);
+        let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+        let read = sample(&metrics, "sdq_prompt_read_bytes_total");
+        assert!(read > 0.0 && sample(&metrics, "sdq_prompt_touched_bytes_total") > 0.0, "{tag}: {metrics}");
+        let (again, timings) = chat(port, &short);
+        assert!(timings["prompt_n"].as_u64().unwrap() <= 4, "{tag}: the cached prompt was computed again: {timings}");
+        let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+        // What the cached prompt's few new tokens read: at most a layer's experts each way.
+        assert!(sample(&metrics, "sdq_prompt_read_bytes_total") - read <= two_layers as f64, "{tag}: a prompt-cache hit read again:\n{metrics}");
+        let (second, _) = chat(port, &long);
+        let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+        let total = sample(&metrics, "sdq_prompt_read_bytes_total");
+        assert!(stop(server).success());
+        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        assert_eq!(sample(&metrics, "sdq_prompt_groups_total"), u(&s["prompt_groups"], "groups") as f64, "{tag}: {s}");
+        assert!(s["prompt"]["touched_bytes"].as_u64().unwrap() > 0, "{tag}: {s}");
+        (vec![first, again, second], total, s)
+    };
+    let (grouped, grouped_read, s) = serve("grouped", &[]);
+    let (groups, ubatches) = (u(&s["prompt_groups"], "groups"), u(&s["prompt_groups"], "ubatches"));
+    assert!(groups >= 2 && ubatches > groups, "the prompts' batches were not computed in groups of several ubatches: {s}");
+    let (one_at_a_time, alone_read, s) = serve("one-at-a-time", &[("SDQ_GROUP", "1")]);
+    assert_eq!(u(&s["prompt_groups"], "groups"), 0, "{s}");
+    let expect = vec![stock[0].clone(), stock[0].clone(), stock[1].clone()];
+    assert_eq!((&grouped, &one_at_a_time), (&expect, &expect), "answers under the budget differ from stock's");
+    assert!(grouped_read < 0.9 * alone_read, "grouped, the prompts read {grouped_read} bytes; one ubatch at a time, {alone_read}");
+    eprintln!("long chat prompts: read {:.1} MiB grouped, {:.1} MiB one ubatch at a time", grouped_read / 1048576.0, alone_read / 1048576.0);
+}

@@ -49,6 +49,12 @@ pub fn install() {
             take_batch_error: Some(take_batch_error),
             compute_buffers: Some(compute_buffers),
             ubatch_begins: Some(ubatch_begins),
+            group_size: Some(group_size),
+            group_begins: Some(group_begins),
+            group_room: Some(group_room),
+            group_ends: Some(group_ends),
+            expert_layer: Some(expert_layer),
+            experts_ahead: Some(experts_ahead),
             report: Some(report),
         })
     });
@@ -79,6 +85,43 @@ extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, _n_tokens: u32) {
             rt.on_ubatch(pos0);
         }
     })
+}
+
+extern "C" fn group_size(_: *mut c_void, n_ubatches: u32, _n_ubatch: u32) -> u32 {
+    guard("group_size", || runtime::get().map_or(1, |rt| rt.group_size(n_ubatches)))
+}
+
+extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32) {
+    guard("group_begins", || {
+        if let Some(rt) = runtime::get() {
+            rt.on_group_begins(n_ubatches, u64::from(n_tokens));
+        }
+    })
+}
+
+extern "C" fn group_room(_: *mut c_void, n_staged: u32, bytes: usize) -> bool {
+    guard("group_room", || runtime::get().is_some_and(|rt| rt.group_room(n_staged, bytes as u64)))
+}
+
+extern "C" fn group_ends(_: *mut c_void) {
+    guard("group_ends", || {
+        if let Some(rt) = runtime::get() {
+            rt.on_group_ends();
+        }
+    })
+}
+
+extern "C" fn expert_layer(_: *mut c_void, node: *const sys::ggml_tensor) -> std::ffi::c_int {
+    guard("expert_layer", || {
+        // SAFETY: llama.cpp passes a node of a graph it built.
+        unsafe { moe::expert_layer(&*node) }.map_or(-1, |l| l as std::ffi::c_int)
+    })
+}
+
+extern "C" fn experts_ahead(_: *mut c_void, node: *const sys::ggml_tensor) {
+    // SAFETY: llama.cpp passes a node of a graph being computed, whose
+    // routing (its sources) is computed.
+    guard("experts_ahead", || unsafe { moe::read_ahead(&*node) })
 }
 
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {

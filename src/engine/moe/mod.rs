@@ -291,8 +291,7 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     let starts_layer = matches!(op.part, Part::Gate | Part::GateUp);
     let starts = || {
         if op.starts_step {
-            rt.count_tokens(ids.ne[1] as u64);
-            pager.step_started();
+            start_step(rt, pager, ids.ne[1] as u64);
         }
     };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
@@ -309,8 +308,7 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
         });
     });
     if op.ends_step && ith == 0 {
-        pager.step_ended();
-        rt.step_ended();
+        end_step(rt, pager);
     }
 }
 
@@ -344,8 +342,7 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     let key = dst as *const sys::ggml_tensor as usize;
     let starts = || {
         if op.counts_tokens {
-            rt.count_tokens(ids.ne[1] as u64);
-            pager.step_started();
+            start_step(rt, pager, ids.ne[1] as u64);
         }
     };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
@@ -405,9 +402,98 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
         });
     });
     if op.ends_step && ith == 0 {
+        end_step(rt, pager);
+    }
+}
+
+/// A ubatch of `n_tokens` reaches the first paged layer: a step starts,
+/// unless it is a later ubatch of a group whose step has (see
+/// `runtime::groups`).
+fn start_step(rt: &runtime::Runtime, pager: &Pager, n_tokens: u64) {
+    if let Some(tokens) = rt.step_starts(n_tokens) {
+        rt.count_tokens(tokens);
+        pager.step_started();
+    }
+}
+
+/// A ubatch leaves the last paged layer: its step ends, unless a later
+/// ubatch of its group is still to.
+fn end_step(rt: &runtime::Runtime, pager: &Pager) {
+    if rt.step_ends() {
         pager.step_ended();
         rt.step_ended();
     }
+}
+
+/// What `ggml_custom_4d` keeps in a node's `op_params` (ggml-impl.h's
+/// `ggml_custom_op_params`): the function and its userdata.
+#[repr(C)]
+struct CustomOpParams {
+    fun: sys::ggml_custom_op_t,
+    n_tasks: c_int,
+    userdata: *mut c_void,
+}
+
+/// sdq's expert op that graph node `node` is, if it is one: its layer and
+/// its routing (the ids tensor).
+///
+/// # Safety
+/// `node` must be a valid tensor of a graph.
+unsafe fn expert_op(node: &sys::ggml_tensor) -> Option<(u32, &sys::ggml_tensor)> {
+    if node.op != sys::GGML_OP_CUSTOM {
+        return None;
+    }
+    // SAFETY: a GGML_OP_CUSTOM node's op_params start with ggml's
+    // ggml_custom_op_params (op_params is 64 bytes, aligned for pointers).
+    let params = unsafe { &*(node.op_params.as_ptr() as *const CustomOpParams) };
+    let fun = params.fun.map(|f| f as usize);
+    // SAFETY: sdq's ops were built with these userdata (hooks::mul_mat_id,
+    // hooks::moe_experts), leaked for the process's lifetime, and sources
+    // 2 (matmul) and 4 (fused) are their ids.
+    unsafe {
+        if fun == Some(paged_moe_experts as *const () as usize) {
+            Some(((*(params.userdata as *const PagedExperts)).layer, &*node.src[4]))
+        } else if fun == Some(paged_mul_mat_id as *const () as usize) {
+            Some(((*(params.userdata as *const PagedMatmul)).layer, &*node.src[2]))
+        } else {
+            None
+        }
+    }
+}
+
+/// The paged layer whose experts graph node `node` computes, or None.
+///
+/// # Safety
+/// `node` must be a valid tensor of a graph.
+pub unsafe fn expert_layer(node: &sys::ggml_tensor) -> Option<u32> {
+    // SAFETY: per this function's contract.
+    unsafe { expert_op(node) }.map(|(layer, _)| layer)
+}
+
+/// Expert op `node`'s routing is computed, and it runs after the other
+/// ubatches of its group have had their turn: its experts are read now, at
+/// low priority, into slots that hold neither its layer's experts nor the
+/// layer before's (which the group's other ubatches are still to use).
+///
+/// # Safety
+/// `node` must be a valid tensor of a graph, its sources computed.
+pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
+    // SAFETY: per this function's contract.
+    let Some((layer, ids)) = (unsafe { expert_op(node) }) else { return };
+    let Some(rt) = runtime::get() else { return };
+    let Some(pager) = rt.pager_ready() else { return };
+    let mut experts = std::collections::BTreeSet::new();
+    for t in 0..ids.ne[1] {
+        for k in 0..ids.ne[0] {
+            // SAFETY: k < ne0 and t < ne1 of ids, the I32 routing computed.
+            let e = unsafe { expert_id(ids, k, t) };
+            if e >= 0 {
+                experts.insert(e as u32);
+            }
+        }
+    }
+    let before = pager.layout().layers.range(..layer).next_back().map_or(layer, |(&l, _)| l);
+    pager.prefetch(layer, &experts.into_iter().collect::<Vec<_>>(), before);
 }
 
 /// Writes this thread's share of `dst` as zeros: the experts' output of a

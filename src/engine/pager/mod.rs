@@ -351,6 +351,14 @@ impl Pager {
         self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= l * n_expert)
     }
 
+    /// True if every class has a slot for each expert of one of its layers:
+    /// a prompt's ubatches computed layer by layer read each expert once.
+    pub fn holds_a_layer(&self) -> bool {
+        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        let layers = self.shared.layout.layers_per_class();
+        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| l == 0 || c.count >= n_expert)
+    }
+
     /// How many tokens' experts the arena holds at `top_k` a layer: the
     /// tightest slot class's slots over its layers' top-k.
     pub fn token_cycles(&self, top_k: usize) -> f64 {

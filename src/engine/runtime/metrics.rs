@@ -36,6 +36,10 @@ const COUNTERS: &[(&str, &str, &str)] = &[
     ("sdq_read_failures_total", "Expert reads that failed after their retries (each failed its batch)", "read_failures"),
     ("sdq_arena_shrinks_total", "Times the arena gave memory back under pressure", "arena_shrinks"),
     ("sdq_arena_grows_total", "Times the arena grew back when room returned", "arena_grows"),
+    ("sdq_prompt_tokens_total", "Prompt tokens computed under the budget", "prompt.tokens"),
+    ("sdq_prompt_read_bytes_total", "Bytes of routed experts read while computing prompts", "prompt.bytes_read"),
+    ("sdq_prompt_touched_bytes_total", "Bytes of the distinct routed experts each prompt used, summed over prompts (each read once)", "prompt.touched_bytes"),
+    ("sdq_prompt_groups_total", "Prompt batches whose ubatches were computed together, layer by layer", "prompt_groups.groups"),
 ];
 
 /// Gauges: (metric name, help, the stats file's key).
@@ -60,7 +64,8 @@ pub fn render(report: Report, stats: &Value) -> String {
 fn prometheus(stats: &Value) -> String {
     let mut out = String::new();
     let mut emit = |kind: &str, (name, help, key): &(&str, &str, &str)| {
-        if let Some(v) = stats.get(*key).and_then(Value::as_f64) {
+        // A dotted key names a figure inside an object ("prompt.tokens").
+        if let Some(v) = key.split('.').try_fold(stats, |v, k| v.get(k)).and_then(Value::as_f64) {
             // Writing into a String cannot fail.
             let _ = write!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {v}\n");
         }
@@ -96,11 +101,12 @@ mod tests {
 
     #[test]
     fn prometheus_names_every_figure_once_with_its_type() {
-        let stats = json!({ "hits": 7, "misses": 3, "bytes_read": 4096, "budget_bytes": 1u64 << 30, "arena_bytes": 512, "paged": true });
+        let stats = json!({ "hits": 7, "misses": 3, "bytes_read": 4096, "budget_bytes": 1u64 << 30, "arena_bytes": 512, "paged": true, "prompt": { "bytes_read": 300 } });
         let text = render(Report::Prometheus, &stats);
         assert!(text.contains("# TYPE sdq_expert_hits_total counter\nsdq_expert_hits_total 7\n"), "{text}");
         assert!(text.contains("# TYPE sdq_arena_bytes gauge\nsdq_arena_bytes 512\n"), "{text}");
         assert!(text.contains("sdq_budget_bytes 1073741824\n"), "{text}");
+        assert!(text.contains("# TYPE sdq_prompt_read_bytes_total counter\nsdq_prompt_read_bytes_total 300\n"), "{text}");
         assert!(text.ends_with("sdq_paged 1\n"), "{text}");
         // A figure the stats lack (no read ever failed to be counted yet) is left out, not zeroed.
         assert!(!text.contains("sdq_read_failures_total"), "{text}");

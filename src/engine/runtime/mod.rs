@@ -4,6 +4,7 @@
 //! anonymous memory they really hold), and the figures for the stats file.
 
 pub mod failure;
+pub mod groups;
 pub mod metrics;
 pub mod options;
 pub mod phases;
@@ -44,6 +45,8 @@ pub struct Runtime {
     pager: OnceLock<(Pager, ArenaPlan)>,
     /// Each step's tokens, time and bytes read, by phase (prompt or decode).
     phases: Mutex<PhaseClock>,
+    /// A prompt's ubatches computed together (one step each group).
+    groups: Mutex<groups::Groups>,
     peak_rss_anon: AtomicU64,
     /// The largest compute buffers a context's generating graphs use (of
     /// what it reserved), and the process's anonymous memory then (before
@@ -90,6 +93,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         registry: Mutex::new(Registry::default()),
         pager: OnceLock::new(),
         phases: Mutex::new(PhaseClock::default()),
+        groups: Mutex::new(groups::Groups::default()),
         peak_rss_anon: AtomicU64::new(0),
         compute_buffers: Mutex::new(None),
         context_size: Mutex::new(ContextSize::default()),
@@ -387,6 +391,11 @@ impl Runtime {
         }
     }
 
+    /// The pager, if it has been created (nothing is planned here).
+    pub fn pager_ready(&self) -> Option<&Pager> {
+        self.pager.get().map(|(p, _)| p)
+    }
+
     /// The pager, created on first use from what the loader reported.
     pub fn pager(&self, top_k: usize) -> &Pager {
         self.try_pager(top_k).unwrap_or_else(|e| fatal(&e.to_string()))
@@ -445,6 +454,66 @@ impl Runtime {
         }
     }
 
+    /// How many of a decode's `n_ubatches` ubatches to compute together,
+    /// layer by layer (1: one at a time). All of them, up to `SDQ_GROUP`,
+    /// unless the arena holds fewer than one layer's experts: then each
+    /// ubatch of a group evicts what the one before it read, and one at a
+    /// time reads no more.
+    pub fn group_size(&self, n_ubatches: u32) -> u32 {
+        let cap = self.options.group.unwrap_or(u32::MAX);
+        // A trace's steps are ubatches, each layer after layer (the replay
+        // reproduces the run's decisions from that order).
+        if self.tracing() || self.pager.get().is_some_and(|(p, _)| !p.holds_a_layer()) {
+            return 1;
+        }
+        n_ubatches.min(cap)
+    }
+
+    /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
+    pub fn on_group_begins(&self, ubatches: u32, tokens: u64) {
+        self.lock_groups().begin(ubatches, tokens);
+    }
+
+    /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
+    /// another. A group's staged ubatches are memory the arena plan does not
+    /// hold: they take at most an eighth of the reserve (whose other parts
+    /// hold llama-server's prompt cache and checkpoints, and the tools' own
+    /// growth; see `memory::growth`).
+    pub fn group_room(&self, n_staged: u32, bytes: u64) -> bool {
+        let reserve = match self.pager.get() {
+            Some((_, plan)) => plan.reserve,
+            None => self.options.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(self.budget)),
+        };
+        self.lock_groups().room(n_staged, bytes, reserve / 8)
+    }
+
+    /// The group is computed, or failed.
+    pub fn on_group_ends(&self) {
+        self.lock_groups().end();
+    }
+
+    /// Groups computed so far, the ubatches in them, and the most a
+    /// group's staged ubatches held.
+    pub fn groups_computed(&self) -> (u64, u64, u64) {
+        let g = self.lock_groups();
+        (g.computed, g.ubatches, g.peak_bytes)
+    }
+
+    /// A ubatch of `n_tokens` reaches the first paged layer: the tokens its
+    /// step counts, or None inside a group's step (see `groups`).
+    pub fn step_starts(&self, n_tokens: u64) -> Option<u64> {
+        self.lock_groups().step_starts(n_tokens)
+    }
+
+    /// A ubatch leaves the last paged layer: true if its step ends there.
+    pub fn step_ends(&self) -> bool {
+        self.lock_groups().step_ends()
+    }
+
+    fn lock_groups(&self) -> std::sync::MutexGuard<'_, groups::Groups> {
+        self.groups.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// A decode's next ubatch starts at position `pos0` of its sequence.
     pub fn on_ubatch(&self, pos0: i32) {
         self.lock_phases().ubatch_begins(pos0);
@@ -498,7 +567,26 @@ impl Runtime {
             human(compute),
             human(headroom)
         );
-        let Some(h) = run.ubatch_hint(compute, headroom, *self.context_size.lock().unwrap_or_else(|p| p.into_inner())) else { return };
+        let size = *self.context_size.lock().unwrap_or_else(|p| p.into_inner());
+        // Where a batch's ubatches are computed together, a prompt's steps
+        // are its llama_decode batches: one batch of the whole prompt reads
+        // each expert once, and -ub changes nothing.
+        if pager.holds_a_layer() && self.options.group.map_or(true, |n| n > 1) && !self.tracing() {
+            let Some(batch) = run.batch_hint(size) else { return };
+            if !SAID.swap(true, Ordering::Relaxed) {
+                eprintln!(
+                    "sdq: hint: a prompt of {} tokens ran in {} batches of up to {} and read {} of experts, {:.1} times the {} it touched (each llama_decode batch reads its experts again); -b {batch} would read them about once",
+                    run.tokens,
+                    run.steps,
+                    run.ubatch,
+                    human(run.bytes_read),
+                    run.bytes_read as f64 / run.touched_bytes.max(1) as f64,
+                    human(run.touched_bytes),
+                );
+            }
+            return;
+        }
+        let Some(h) = run.ubatch_hint(compute, headroom, size) else { return };
         if SAID.swap(true, Ordering::Relaxed) {
             return;
         }

@@ -31,6 +31,10 @@ pub struct Options {
     /// Read the next layer's predicted experts ahead (`SDQ_PREFETCH`); None:
     /// while the arena holds at least two token cycles.
     pub prefetch: Option<bool>,
+    /// At most this many ubatches of a prompt computed together, layer by
+    /// layer (`SDQ_GROUP`; 1 computes them one at a time, as stock). None:
+    /// all of a decode's, where the arena holds a layer's experts.
+    pub group: Option<u32>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
     pub direct_io: Option<bool>,
     /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1, idle or ahead).
@@ -163,6 +167,12 @@ impl Options {
             });
         }
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
+        if let Some(v) = env("SDQ_GROUP").filter(|v| !v.is_empty()) {
+            o.group = Some(match v.trim().parse::<u32>() {
+                Ok(n) if (1..=4096).contains(&n) => n,
+                _ => return Err(Error::invalid(format!("SDQ_GROUP: '{v}' is not a number of ubatches from 1 to 4096"))),
+            });
+        }
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
             None => None,
@@ -289,6 +299,9 @@ impl Options {
         if let Some(ms) = self.read_backoff_ms {
             env.push(("SDQ_READ_BACKOFF_MS", ms.to_string()));
         }
+        if let Some(n) = self.group {
+            env.push(("SDQ_GROUP", n.to_string()));
+        }
         if let Some(p) = self.populate {
             env.push(("SDQ_POPULATE", p.name().to_string()));
         }
@@ -345,6 +358,7 @@ mod tests {
             (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
             (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
             (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
+            (&["t"][..], &[("SDQ_GROUP", "0")][..], "SDQ_GROUP: '0' is not a number of ubatches"),
             (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto, 0 or hugetlb"),
             (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'"),
         ] {
@@ -363,6 +377,7 @@ mod tests {
             read_retries: Some(5),
             read_backoff_ms: Some(10),
             prefetch: Some(false),
+            group: Some(4),
             direct_io: Some(true),
             populate: Some(crate::engine::pager::Populate::Idle),
             pages: Some(crate::engine::pager::PageChoice::Small),

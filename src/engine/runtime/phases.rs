@@ -33,6 +33,9 @@ pub struct PhaseTotals {
     /// Of the hits, those that found an expert a prefetch had read.
     pub prefetch_used: u64,
     pub seconds: f64,
+    /// Prompt steps: the bytes of the distinct experts each prompt touched,
+    /// summed over prompts (what reading each of them once would read).
+    pub touched_bytes: u64,
 }
 
 impl PhaseTotals {
@@ -52,6 +55,7 @@ impl PhaseTotals {
             // ones (what a replay of the routing counts as hits).
             "held_rate": share(self.hits - self.prefetch_used.min(self.hits)),
             "seconds": self.seconds,
+            "touched_bytes": self.touched_bytes,
             "mib_read_per_token": if self.tokens > 0 { self.bytes_read as f64 / MIB / self.tokens as f64 } else { 0.0 },
             "tokens_per_second": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
             "mib_read_per_second": if self.seconds > 0.0 { self.bytes_read as f64 / MIB / self.seconds } else { 0.0 },
@@ -173,6 +177,24 @@ impl PromptRun {
     }
 }
 
+impl PromptRun {
+    /// The `-b` that would give the whole prompt to one `llama_decode`, whose
+    /// ubatches are computed together and so read each expert once (where
+    /// the arena holds a layer's experts): the prompt rounded up to the
+    /// context's ubatch, within the context. None if the run read its
+    /// experts about once already, or its steps cannot be one prompt's
+    /// batches (see `ubatch_hint`).
+    pub fn batch_hint(&self, size: ContextSize) -> Option<u64> {
+        let known = |n: u64| if n == 0 { u64::MAX } else { n };
+        let one_prompt = self.ubatch >= size.n_ubatch && self.tokens <= known(size.n_ctx);
+        if !one_prompt || self.uneven || self.steps < 2 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+            return None;
+        }
+        let batch = self.tokens.div_ceil(size.n_ubatch.max(1)) * size.n_ubatch.max(1);
+        Some(batch.min(known(size.n_ctx))).filter(|&b| b > self.ubatch)
+    }
+}
+
 impl PhaseClock {
     /// The ubatch about to be computed starts at position `pos0` of its
     /// sequence (told before its step starts).
@@ -209,6 +231,7 @@ impl PhaseClock {
             for &e in experts {
                 if run.touched.insert((layer, e)) {
                     run.touched_bytes += expert_bytes;
+                    self.prompt.touched_bytes += expert_bytes;
                 }
             }
         }
@@ -279,6 +302,22 @@ mod tests {
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.
         assert!((decode.seconds - 0.3).abs() < 1e-9, "{decode:?}");
+    }
+
+    #[test]
+    fn a_prompt_of_several_batches_gets_a_batch_of_the_whole_prompt() {
+        // 8,000 tokens in four llama_decode batches of 2,048 (each a group
+        // of ubatches of 512), each reading the same 800 bytes again.
+        let run = PromptRun { steps: 4, tokens: 8000, ubatch: 2048, bytes_read: 3200, touched_bytes: 800, ..PromptRun::default() };
+        assert_eq!(run.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), Some(8192));
+        // Within the context: llama.cpp cuts -b to it.
+        let tight = PromptRun { tokens: 7900, ..run.clone() };
+        assert_eq!(tight.batch_hint(ContextSize { n_ctx: 7936, n_ubatch: 512 }), Some(7936));
+        // A run that read its experts about once, or one batch, gets none.
+        assert_eq!(PromptRun { bytes_read: 900, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
+        assert_eq!(PromptRun { steps: 1, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
+        // Steps smaller than the context's ubatch are batches of their own.
+        assert_eq!(PromptRun { ubatch: 16, tokens: 64, ..run }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
     }
 
     #[test]

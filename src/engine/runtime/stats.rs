@@ -141,6 +141,9 @@ impl Runtime {
             "vm_hwm_bytes": mem.vm_hwm,
             "paged": self.pager.get().is_some(),
         });
+        // A prompt's ubatches computed together, layer by layer.
+        let (groups, grouped, peak) = self.groups_computed();
+        v.as_object_mut().expect("object").insert("prompt_groups".into(), json!({ "groups": groups, "ubatches": grouped, "peak_bytes": peak }));
         if let Some((pager, plan)) = self.pager.get() {
             let c = pager.counts();
             let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));

@@ -1,0 +1,94 @@
+//! A prompt's ubatches computed together, layer by layer across them
+//! (patch 0013, `shim/sdq-pieces.h`): the group being computed, and what the
+//! groups added up to. A group is one step: its first ubatch's first paged
+//! layer starts the step with all of the group's tokens, and its last
+//! ubatch's last paged layer ends it, so the phases and the `-ub` hint see a
+//! group as one batch.
+
+/// The group being computed.
+#[derive(Clone, Copy, Debug)]
+struct Group {
+    ubatches: u32,
+    tokens: u64,
+    started: u32,
+    ended: u32,
+}
+
+/// Groups computed so far, and the one in progress.
+#[derive(Debug, Default)]
+pub struct Groups {
+    current: Option<Group>,
+    /// Groups computed, and the ubatches in them.
+    pub computed: u64,
+    pub ubatches: u64,
+    /// The most a group's staged ubatches held (graphs and what they keep
+    /// aside between pieces).
+    pub peak_bytes: u64,
+}
+
+impl Groups {
+    /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
+    pub fn begin(&mut self, ubatches: u32, tokens: u64) {
+        self.current = Some(Group { ubatches, tokens, started: 0, ended: 0 });
+        self.computed += 1;
+        self.ubatches += u64::from(ubatches);
+    }
+
+    /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
+    /// another within `allowance` bytes (the next about as large as the
+    /// ones before); the first is always staged.
+    pub fn room(&mut self, n_staged: u32, bytes: u64, allowance: u64) -> bool {
+        self.peak_bytes = self.peak_bytes.max(bytes);
+        n_staged == 0 || bytes + bytes / u64::from(n_staged) <= allowance
+    }
+
+    /// The group is computed (or failed): steps are ubatches again.
+    pub fn end(&mut self) {
+        self.current = None;
+    }
+
+    /// A ubatch of `n_tokens` reaches the first paged layer: the tokens its
+    /// step counts, or None inside a group whose step has started.
+    pub fn step_starts(&mut self, n_tokens: u64) -> Option<u64> {
+        let Some(g) = &mut self.current else { return Some(n_tokens) };
+        g.started += 1;
+        (g.started == 1).then_some(g.tokens)
+    }
+
+    /// A ubatch leaves the last paged layer: true if that ends its step (a
+    /// group's step ends with its last ubatch).
+    pub fn step_ends(&mut self) -> bool {
+        let Some(g) = &mut self.current else { return true };
+        g.ended += 1;
+        g.ended >= g.ubatches
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_group_is_one_step() {
+        let mut g = Groups::default();
+        assert_eq!(g.step_starts(7), Some(7));
+        assert!(g.step_ends());
+        g.begin(3, 1200);
+        // Layer by layer: all three start before any ends.
+        assert_eq!((g.step_starts(512), g.step_starts(512), g.step_starts(176)), (Some(1200), None, None));
+        assert_eq!((g.step_ends(), g.step_ends(), g.step_ends()), (false, false, true));
+        g.end();
+        assert_eq!(g.step_starts(1), Some(1));
+        assert!(g.step_ends());
+        assert_eq!((g.computed, g.ubatches), (1, 3));
+    }
+
+    #[test]
+    fn a_group_stages_what_its_allowance_holds() {
+        let mut g = Groups::default();
+        // Ubatches of 10 bytes in 35: three fit, a fourth would not.
+        assert!(g.room(1, 10, 35) && g.room(2, 20, 35));
+        assert!(!g.room(3, 30, 35));
+        assert_eq!(g.peak_bytes, 30);
+    }
+}
