@@ -2,7 +2,9 @@
 //! writer makes them (`test-llama-archs -o DIR`: two experts per layer,
 //! random F32 weights, each architecture's own tensors and keys): under the
 //! tightest budget + 1 MiB and + 64 MiB, with defaults and `--no-repack`,
-//! the greedy tokens and final logits are stock's with the same flags. So no
+//! the greedy tokens and final logits are stock's with the same flags, and
+//! so are they for a prompt of five ubatches in one llama_decode, computed
+//! layer by layer across them (patch 0013). So no
 //! change to the hook, the plan or the preflight breaks an architecture that
 //! sdq's own generator does not write. A file whose expert tensors the graph
 //! never uses cannot be kept inside a budget smaller than the process, and
@@ -33,8 +35,9 @@ fn arch_of(model: &std::path::Path) -> String {
     model.file_name().unwrap().to_string_lossy().trim_end_matches("-moe.gguf").to_string()
 }
 
-/// Whether the architecture's experts were paged, or what went wrong.
-fn check(model: &std::path::Path) -> Result<bool, String> {
+/// Whether the architecture's experts were paged and a prompt of several
+/// ubatches was computed in groups, or what went wrong.
+fn check(model: &std::path::Path) -> Result<(bool, bool), String> {
     let arch = arch_of(model);
     let prompt = "The river ran past the old mill, under the stone bridge";
     let reserve = 16 * MIB;
@@ -68,7 +71,10 @@ fn check(model: &std::path::Path) -> Result<bool, String> {
             }
         }
     }
-    if !paged {
+    if paged {
+        return grouped_prompt(model).map(|grouped| (true, grouped));
+    }
+    {
         // Nothing is paged, so nothing keeps the process inside 1 MiB.
         let o = run(Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap(), "-p", prompt, "-n", "4", "-c", "256", "--ram-budget", "1M"]), 300);
         let err = stderr(&o);
@@ -76,7 +82,33 @@ fn check(model: &std::path::Path) -> Result<bool, String> {
             return Err(format!("{arch}: nothing paged, and --ram-budget 1M exited {:?} without the error:\n{err}", o.status.code()));
         }
     }
-    Ok(paged)
+    Ok((false, false))
+}
+
+/// A prompt of five ubatches given to one llama_decode, at the tightest
+/// budget + 1 MiB: the same tokens and logits as stock with the same flags,
+/// and whether its ubatches were computed together (patch 0013).
+fn grouped_prompt(model: &std::path::Path) -> Result<bool, String> {
+    let arch = arch_of(model);
+    let prompt = "The river ran past the old mill, under the stone bridge where the children watched the boats, \
+                  and the town beyond it was quiet, its gardens full of apples and its windows full of light";
+    let base = ["-p", prompt, "-n", "4", "-t", "2", "-c", "256", "--ubatch", "8", "--batch", "256"];
+    // An encoder (or any non-causal graph) takes no batch larger than its
+    // ubatch, in stock as under a budget.
+    let o = run(Command::new(bin("sdq")).args(["eval", "-m", model.to_str().unwrap()]).args(base), 300);
+    if !o.status.success() && stderr(&o).contains("n_ubatch >= n_tokens") {
+        return Ok(false);
+    }
+    let stock = eval(model, &format!("arch-{arch}-grouped-stock"), &base);
+    let probe = eval(model, &format!("arch-{arch}-grouped-probe"), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "64M"]].concat());
+    let stats = probe.stats.unwrap();
+    let budget = budget_for(&stats, 64 * MIB, min_arena(&stats) + MIB);
+    let run = eval(model, &format!("arch-{arch}-grouped"), &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat());
+    if run.json["tokens"] != stock.json["tokens"] || max_abs_diff(&run.logits, &stock.logits) != 0.0 {
+        return Err(format!("{arch} (a prompt of several ubatches): tokens {} and logits differ from stock's {}", run.json["tokens"], stock.json["tokens"]));
+    }
+    let s = run.stats.unwrap();
+    Ok(u(&s["prompt_groups"], "ubatches") > u(&s["prompt_groups"], "groups"))
 }
 
 #[test]
@@ -84,7 +116,7 @@ fn every_moe_architecture_of_the_pinned_tree_answers_as_stock_under_a_budget() {
     let files = corpus();
     // 55 at the pinned commit; fewer means the writer changed under us.
     assert!(files.len() >= 50, "test-llama-archs wrote only {} MoE files", files.len());
-    let results: Vec<Result<bool, String>> = files.iter().map(|m| check(m)).collect();
+    let results: Vec<Result<(bool, bool), String>> = files.iter().map(|m| check(m)).collect();
     let failures: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
     assert!(
         failures.is_empty(),
@@ -93,7 +125,12 @@ fn every_moe_architecture_of_the_pinned_tree_answers_as_stock_under_a_budget() {
         files.len(),
         failures.iter().map(|s| s.as_str()).collect::<Vec<_>>().join("\n")
     );
-    let unpaged: Vec<String> = files.iter().zip(&results).filter(|(_, r)| r == &&Ok(false)).map(|(f, _)| arch_of(f)).collect();
+    let unpaged: Vec<String> = files.iter().zip(&results).filter(|(_, r)| matches!(r, Ok((false, _)))).map(|(f, _)| arch_of(f)).collect();
+    // A prompt of several ubatches is computed in groups wherever experts
+    // are paged, but for architectures whose batches keep stock's order.
+    let ungrouped: Vec<String> = files.iter().zip(&results).filter(|(_, r)| matches!(r, Ok((true, false)))).map(|(f, _)| arch_of(f)).collect();
+    eprintln!("architectures paged but not grouped: {ungrouped:?}");
+    assert!(ungrouped.len() <= 5, "{} paged architectures computed no group: {ungrouped:?}", ungrouped.len());
     // These graphs are dense (refact, and ernie4_5's and paddleocr's text
     // models): they never use the expert tensors the writer gives them.
     assert_eq!(unpaged, ["ernie4_5", "paddleocr", "refact"], "architectures whose experts were not paged");

@@ -496,6 +496,28 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
     pager.prefetch(layer, &experts.into_iter().collect::<Vec<_>>(), before);
 }
 
+/// A prompt's ubatch of `routings` (tokens × top-k) routings at `layer`:
+/// where that many routings reach nearly every expert of a layer (each is
+/// missed with a chance of (1 - 1/n)^routings, under 2 % from 4n on), the
+/// next paged layer's experts are read now, at low priority, while this
+/// layer computes (unless `SDQ_PREFETCH=0`). Its slots hold neither this
+/// layer's experts nor the next's.
+fn read_next_layer_ahead(pager: &Pager, layer: u32, routings: u64) {
+    let Some(rt) = runtime::get() else { return };
+    if rt.options.prefetch == Some(false) {
+        return;
+    }
+    let Some((&next, ll)) = pager.layout().layers.range(layer + 1..).next() else { return };
+    // Not from the target's last layer into a draft model's first.
+    let (_, last) = rt.paged_layers();
+    if layer <= last && next > last {
+        return;
+    }
+    if routings >= 4 * u64::from(ll.n_expert) {
+        pager.prefetch(next, &(0..ll.n_expert).collect::<Vec<_>>(), layer);
+    }
+}
+
 /// Writes this thread's share of `dst` as zeros: the experts' output of a
 /// batch computed without the pager (`Runtime::pager_if_ready`: the target's
 /// warm-up before its draft model loads, whose result the tool drops, or a
@@ -563,6 +585,9 @@ unsafe fn join(
                 runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
             }
             let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            if ids.ne[1] > 1 {
+                read_next_layer_ahead(pager, layer, (ids.ne[0] * ids.ne[1]) as u64);
+            }
             // This layer's misses are queued: now what the next layer will likely need.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
