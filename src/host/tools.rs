@@ -129,6 +129,7 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
     if plan.reserve != reserve {
         opts.reserve = Some(plan.reserve);
     }
+    opts.planned_growth = plan.bytes;
 }
 
 /// True if `program` is the tool `tool` (also under a suffixed name).

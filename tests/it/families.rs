@@ -96,6 +96,12 @@ fn check_grouped_prompt(case: &Case, model: &std::path::Path) {
     let prompt = crate::pager::long_prompt();
     let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "8", "-t", "2", "-c", "1024", "--ubatch", "96", "--batch", "1024"];
     let stock = eval(model, &format!("{}-grouped-stock", case.name), &base);
+    // -b does not change a value: the ubatches are the same whether the
+    // prompt comes in one llama_decode or in one a ubatch.
+    let batch_of_one_ubatch = [&base[..10], &["--batch", "96"]].concat();
+    let stock_small_b = eval(model, &format!("{}-grouped-stock-b96", case.name), &batch_of_one_ubatch);
+    assert_eq!(stock_small_b.json["tokens"], stock.json["tokens"], "{}: stock's tokens depend on -b", case.name);
+    assert_eq!(max_abs_diff(&stock_small_b.logits, &stock.logits), 0.0, "{}: stock's logits depend on -b", case.name);
     let probe = eval(model, &format!("{}-grouped-probe", case.name), &[&base[..], &["--ram-budget", "2G", "--sdq-reserve", "64M"]].concat());
     let stats = probe.stats.unwrap();
     let (all, layer) = (all_arena(&stats, case.experts), all_arena(&stats, case.experts) / case.paged_layers);

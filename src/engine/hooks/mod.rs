@@ -304,11 +304,6 @@ fn paged_experts(names: &[String; 3], layer: u32, kernels: [DotKernels; 3]) -> &
     })
 }
 
-/// Batches of up to this many tokens predict the next layer's experts
-/// (decoding, also several sequences at once); a prompt batch needs most
-/// experts anyway, and its misses are read together by `Pager::prepare`.
-const PREDICT_MAX_TOKENS: i64 = 8;
-
 /// Every thread of the graph (GGML_N_TASKS_MAX) runs a paged op.
 const ALL_THREADS: i32 = -1;
 
@@ -341,9 +336,10 @@ fn predictor(layer: u32, next: u32, top_k: usize) -> &'static Predictor {
 
 /// The prediction of the next paged layer's experts from this layer's
 /// expert input `b` ([n_embd, 1, n_tokens]): the next layer's router applied
-/// to it, then `moe::predict_next`, which starts reading what it picks.
-/// None when there is nothing to predict (the last layer, prompt batches,
-/// prefetch off).
+/// to it, then `moe::predict_next`, which starts reading what it picks
+/// (for a prompt batch, the union of its tokens' picks). None when there is
+/// nothing to predict (the last layer, an arena of every expert, prefetch
+/// off).
 ///
 /// # Safety
 /// `ctx`, `b` and `ids` must be valid tensors of the graph being built.
@@ -352,7 +348,7 @@ unsafe fn build_prediction(ctx: *mut sys::ggml_context, layer: u32, b: *mut sys:
     // SAFETY: b is valid (contract).
     let bt = unsafe { &*b };
     // SAFETY: as above.
-    if bt.ne[1] != 1 || bt.ne[2] > PREDICT_MAX_TOKENS || !unsafe { sys::ggml_is_contiguous(b) } {
+    if bt.ne[1] != 1 || !unsafe { sys::ggml_is_contiguous(b) } {
         return None;
     }
     let (next, router) = rt.next_router(layer)?;

@@ -49,6 +49,11 @@ use activations::Activations;
 use routing::predictions;
 pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
 
+/// Batches of up to this many tokens are decode steps (of one sequence or
+/// several at once), whose prediction of the next layer is read ahead only
+/// while predictions pay; a larger one is a prompt's.
+const DECODE_MAX_TOKENS: i64 = 8;
+
 /// What one paged matmul needs, fixed when the graph is built (graphs are
 /// reused, so this lives as long as the process).
 #[derive(Debug)]
@@ -496,28 +501,6 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
     pager.prefetch(layer, &experts.into_iter().collect::<Vec<_>>(), before);
 }
 
-/// A prompt's ubatch of `routings` (tokens × top-k) routings at `layer`:
-/// where that many routings reach nearly every expert of a layer (each is
-/// missed with a chance of (1 - 1/n)^routings, under 2 % from 4n on), the
-/// next paged layer's experts are read now, at low priority, while this
-/// layer computes (unless `SDQ_PREFETCH=0`). Its slots hold neither this
-/// layer's experts nor the next's.
-fn read_next_layer_ahead(pager: &Pager, layer: u32, routings: u64) {
-    let Some(rt) = runtime::get() else { return };
-    if rt.options.prefetch == Some(false) {
-        return;
-    }
-    let Some((&next, ll)) = pager.layout().layers.range(layer + 1..).next() else { return };
-    // Not from the target's last layer into a draft model's first.
-    let (_, last) = rt.paged_layers();
-    if layer <= last && next > last {
-        return;
-    }
-    if routings >= 4 * u64::from(ll.n_expert) {
-        pager.prefetch(next, &(0..ll.n_expert).collect::<Vec<_>>(), layer);
-    }
-}
-
 /// Writes this thread's share of `dst` as zeros: the experts' output of a
 /// batch computed without the pager (`Runtime::pager_if_ready`: the target's
 /// warm-up before its draft model loads, whose result the tool drops, or a
@@ -585,13 +568,14 @@ unsafe fn join(
                 runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
             }
             let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
-            if ids.ne[1] > 1 {
-                read_next_layer_ahead(pager, layer, (ids.ne[0] * ids.ne[1]) as u64);
-            }
-            // This layer's misses are queued: now what the next layer will likely need.
+            // This layer's misses are queued: now what the next layer will
+            // likely need. A prompt batch's prediction (the union of its
+            // tokens') is nearly what the next layer touches, and is read
+            // while this layer computes; a decode step's, only while
+            // predictions pay.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
-                if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
+                if ids.ne[1] > DECODE_MAX_TOKENS || runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
                     pager.prefetch(next, &predicted, layer);
                 }
             }

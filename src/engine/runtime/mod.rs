@@ -476,15 +476,16 @@ impl Runtime {
 
     /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
     /// another. A group's staged ubatches are memory the arena plan does not
-    /// hold: they take at most an eighth of the reserve (whose other parts
-    /// hold llama-server's prompt cache and checkpoints, and the tools' own
-    /// growth; see `memory::growth`).
+    /// hold: they take at most half of what the tool's planned growth
+    /// (llama-server's prompt cache and checkpoints, three quarters of the
+    /// reserve by default; see `memory::growth`) leaves of the reserve, the
+    /// other half staying for the rest of the growth after load.
     pub fn group_room(&self, n_staged: u32, bytes: u64) -> bool {
         let reserve = match self.pager.get() {
             Some((_, plan)) => plan.reserve,
             None => self.options.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(self.budget)),
         };
-        self.lock_groups().room(n_staged, bytes, reserve / 8)
+        self.lock_groups().room(n_staged, bytes, reserve.saturating_sub(self.options.planned_growth) / 2)
     }
 
     /// The group is computed, or failed.

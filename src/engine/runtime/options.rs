@@ -54,6 +54,10 @@ pub struct Options {
     /// `LLAMA_ARG_MMPROJ`), read but left for the tool: its weights and compute
     /// buffers are counted before the arena is sized.
     pub mmproj: Option<PathBuf>,
+    /// Of the reserve, the bytes the tool's own growth is planned to take
+    /// (llama-server's and llama-cli's prompt cache and checkpoints; see
+    /// `memory::growth`): set by the drop-in tools, not an option.
+    pub planned_growth: u64,
 }
 
 /// The help section printed after upstream's `--help`.
