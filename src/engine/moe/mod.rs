@@ -498,7 +498,7 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
         }
     }
     let before = pager.layout().layers.range(..layer).next_back().map_or(layer, |(&l, _)| l);
-    pager.prefetch(layer, &experts.into_iter().collect::<Vec<_>>(), before);
+    pager.read_ahead(layer, &experts.into_iter().collect::<Vec<_>>(), before);
 }
 
 /// Writes this thread's share of `dst` as zeros: the experts' output of a
@@ -575,7 +575,9 @@ unsafe fn join(
             // predictions pay.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
-                if ids.ne[1] > DECODE_MAX_TOKENS || runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
+                if ids.ne[1] > DECODE_MAX_TOKENS {
+                    pager.read_ahead(next, &predicted, layer);
+                } else if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
                     pager.prefetch(next, &predicted, layer);
                 }
             }

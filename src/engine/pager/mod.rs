@@ -84,6 +84,11 @@ struct Slot {
     keep_pin: bool,
     /// Read by `prefetch` and not used by a batch since.
     prefetched: bool,
+    /// Read ahead for a prompt (`read_ahead`: its routing or its union of
+    /// predictions, nearly certain to be used) and not used since: a batch
+    /// that waits for it moves its read ahead, but it is not a prefetch the
+    /// gate judges decode predictions by.
+    prompt_ahead: bool,
     /// Read by `prepare` for a batch that has not pinned it yet: another
     /// acquire evicts it only when nothing else is free, since the batch
     /// would then read it again.
@@ -402,6 +407,9 @@ impl Pager {
         c.misses += (admission.fills.len() + admission.deferred.len()) as u64;
         for &(_, slot) in &admission.hits {
             let s = &mut st.slots[slot];
+            if std::mem::take(&mut s.prompt_ahead) && !s.ready {
+                sh.promote(slot);
+            }
             let (prefetched, ready) = (std::mem::take(&mut s.prefetched), s.ready);
             if prefetched {
                 let c = st.counts.get_mut(&layer).expect("layer counted");
@@ -435,6 +443,17 @@ impl Pager {
     /// computed. A victim must be unpinned and hold no expert of `current` or
     /// `layer`; it stops at the first expert with no such slot.
     pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
+        self.read_spare(layer, experts, current, false);
+    }
+
+    /// As `prefetch`, for a prompt: its experts are nearly certain to be
+    /// used, so they are not counted as prefetched (the gate judges the
+    /// decode's predictions by what it prefetched).
+    pub fn read_ahead(&self, layer: u32, experts: &[u32], current: u32) {
+        self.read_spare(layer, experts, current, true);
+    }
+
+    fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
         let sh = &*self.shared;
         let Some(ll) = sh.layout.layers.get(&layer) else { return };
         let mut jobs = Vec::new();
@@ -451,8 +470,12 @@ impl Pager {
             let Some(slot) = victim else { break };
             let evicted = st.res.fill(slot, (layer, e));
             jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
-            st.slots[slot].prefetched = true;
-            st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
+            if for_prompt {
+                st.slots[slot].prompt_ahead = true;
+            } else {
+                st.slots[slot].prefetched = true;
+                st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
+            }
         }
         drop(st);
         sh.submit(jobs, Lane::Spare);
@@ -494,7 +517,7 @@ impl Pager {
                     return Ok(PinnedExpert { pager: self, slot, expert, layer: ll });
                 }
                 // Being read (by the readers, for this or another thread): wait.
-                if st.slots[slot].prefetched {
+                if st.slots[slot].prefetched || st.slots[slot].prompt_ahead {
                     sh.promote(slot);
                 }
                 st = sh.wait(st);

@@ -80,6 +80,7 @@ impl Shared {
             batch: None,
             keep_pin,
             prefetched: false,
+            prompt_ahead: false,
             awaiting: false,
             retired: false,
         };

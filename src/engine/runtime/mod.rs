@@ -576,13 +576,8 @@ impl Runtime {
             let Some(batch) = run.batch_hint(size) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
                 eprintln!(
-                    "sdq: hint: a prompt of {} tokens ran in {} batches of up to {} and read {} of experts, {:.1} times the {} it touched (each llama_decode batch reads its experts again); -b {batch} would read them about once",
-                    run.tokens,
-                    run.steps,
-                    run.ubatch,
-                    human(run.bytes_read),
-                    run.bytes_read as f64 / run.touched_bytes.max(1) as f64,
-                    human(run.touched_bytes),
+                    "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about once",
+                    run.what_it_read("batches of up to")
                 );
             }
             return;
@@ -592,13 +587,8 @@ impl Runtime {
             return;
         }
         eprintln!(
-            "sdq: hint: a prompt of {} tokens ran in {} ubatches of {} and read {} of experts, {:.1} times the {} it touched (each ubatch reads its experts again); -ub {} (with -b at least that) would read about {}, and its compute buffers (about {} more) fit the budget",
-            run.tokens,
-            run.steps,
-            run.ubatch,
-            human(run.bytes_read),
-            run.bytes_read as f64 / run.touched_bytes.max(1) as f64,
-            human(run.touched_bytes),
+            "sdq: hint: {} (each ubatch reads its experts again); -ub {} (with -b at least that) would read about {}, and its compute buffers (about {} more) fit the budget",
+            run.what_it_read("ubatches of"),
             h.ubatch,
             human(h.reads),
             human(h.extra)

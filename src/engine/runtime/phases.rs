@@ -178,6 +178,21 @@ impl PromptRun {
 }
 
 impl PromptRun {
+    /// "a prompt of N tokens ran in S `steps` M and read X of experts, R
+    /// times the Y it touched", for the hints.
+    pub fn what_it_read(&self, steps: &str) -> String {
+        use crate::engine::memory::budget::human;
+        format!(
+            "a prompt of {} tokens ran in {} {steps} {} and read {} of experts, {:.1} times the {} it touched",
+            self.tokens,
+            self.steps,
+            self.ubatch,
+            human(self.bytes_read),
+            self.bytes_read as f64 / self.touched_bytes.max(1) as f64,
+            human(self.touched_bytes)
+        )
+    }
+
     /// The `-b` that would give the whole prompt to one `llama_decode`, whose
     /// ubatches are computed together and so read each expert once (where
     /// the arena holds a layer's experts): the prompt rounded up to the
