@@ -652,3 +652,47 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     assert!(grouped_read < 0.9 * alone_read, "grouped, the prompts read {grouped_read} bytes; one ubatch at a time, {alone_read}");
     eprintln!("long chat prompts: read {:.1} MiB grouped, {:.1} MiB one ubatch at a time", grouped_read / 1048576.0, alone_read / 1048576.0);
 }
+
+/// A read that fails for good inside a prompt whose ubatches are computed
+/// together (layer by layer across the batch) fails that request with the
+/// read's error, not the server; the whole batch's positions are dropped,
+/// and the same prompt asked again is answered as stock answers it.
+#[test]
+fn a_failed_read_inside_a_grouped_prompt_fails_that_request_only() {
+    let model = tiny().to_str().unwrap();
+    let text: Vec<&str> = (0..1800).map(|i| ["the", "red", "sea", "old", "town", "light", "stone", "river"][(i * 7 + i / 3) % 8]).collect();
+    let body = serde_json::json!({ "prompt": text.join(" "), "n_predict": 8, "top_k": 1, "cache_prompt": false }).to_string();
+    let args = ["-m", model, "-c", "4096", "--no-warmup"];
+    let (stock_server, port) = start_server(&args);
+    let (code, stock) = http(port, "POST", "/completion", Some(&body)).unwrap();
+    assert_eq!(code, 200, "{stock}");
+    drop(stock_server);
+    let probe_stats = scratch().join("server-group-eio-probe.json");
+    let (probe, port) = start_server(&[&args[..], &["--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
+    assert_eq!(http(port, "POST", "/completion", Some(&body)).unwrap().0, 200);
+    assert!(stop(probe).success());
+    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / 8 + crate::pager::MIB);
+    // Reads 150 to 199 fail every try: inside the first prompt's group.
+    let plan: Vec<String> = (150..200).map(|n| format!("eio@{n}")).collect();
+    let stats = scratch().join("server-group-eio.json");
+    let log = scratch().join("server-group-eio.log");
+    let (mut server, port) = start_server_logged(
+        &[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
+        &[("SDQ_FAULT_READ", &plan.join(",")), ("SDQ_READ_BACKOFF_MS", "1"), ("SDQ_PRELOAD", "0")],
+        Some(&log),
+    );
+    let (code, failed) = http(port, "POST", "/completion", Some(&body)).unwrap();
+    assert_eq!(code, 500, "{failed}");
+    assert!(failed.contains("injected read fault: EIO") && failed.contains("of layer"), "{failed}");
+    let (code, again) = http(port, "POST", "/completion", Some(&body)).unwrap();
+    assert_eq!(code, 200, "{again}");
+    let content = |b: &str| serde_json::from_str::<Value>(b).unwrap()["content"].as_str().unwrap().to_string();
+    assert_eq!(content(&again), content(&stock), "the prompt asked again answered unlike stock");
+    assert!(server.0.try_wait().unwrap().is_none(), "the server ended");
+    assert!(stop(server).success());
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    assert!(u(&s["prompt_groups"], "groups") >= 2 && u(&s, "read_failures") >= 1, "{s}");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!text.contains("panicked"), "{text}");
+}
