@@ -339,12 +339,17 @@ fn predictor(layer: u32, next: u32, top_k: usize) -> &'static Predictor {
 /// to it, then `moe::predict_next`, which starts reading what it picks
 /// (for a prompt batch, the union of its tokens' picks). None when there is
 /// nothing to predict (the last layer, an arena of every expert, prefetch
-/// off).
+/// off) or the tool reads the graph's matmuls (llama-imatrix).
 ///
 /// # Safety
 /// `ctx`, `b` and `ids` must be valid tensors of the graph being built.
 unsafe fn build_prediction(ctx: *mut sys::ggml_context, layer: u32, b: *mut sys::ggml_tensor, ids: &sys::ggml_tensor) -> Option<*mut sys::ggml_tensor> {
     let rt = runtime::get()?;
+    // A tool that reads the graph's matmuls (llama-imatrix) would count the
+    // prediction's router matmul as the router's own.
+    if PER_MATMUL_EXPERTS.load(Ordering::Relaxed) {
+        return None;
+    }
     // SAFETY: b is valid (contract).
     let bt = unsafe { &*b };
     // SAFETY: as above.
