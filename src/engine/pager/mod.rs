@@ -351,17 +351,21 @@ impl Pager {
 
     /// True if every class has a slot for each expert of its layers.
     pub fn holds_every_expert(&self) -> bool {
-        let layers = self.shared.layout.layers_per_class();
-        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
-        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= l * n_expert)
+        self.every_class_holds(|layers| layers)
     }
 
     /// True if every class has a slot for each expert of one of its layers:
     /// a prompt's ubatches computed layer by layer read each expert once.
     pub fn holds_a_layer(&self) -> bool {
-        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        self.every_class_holds(|layers| layers.min(1))
+    }
+
+    /// True if every class has slots for all experts of `held(its layers)`
+    /// layers.
+    fn every_class_holds(&self, held: impl Fn(usize) -> usize) -> bool {
         let layers = self.shared.layout.layers_per_class();
-        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| l == 0 || c.count >= n_expert)
+        let n_expert = self.shared.layout.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
+        self.shared.arena.classes().iter().zip(layers).all(|(c, l)| c.count >= held(l) * n_expert)
     }
 
     /// How many tokens' experts the arena holds at `top_k` a layer: the

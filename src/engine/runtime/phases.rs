@@ -154,8 +154,7 @@ impl PromptRun {
     /// context, to which llama.cpp cuts `-ub`.
     pub fn ubatch_hint(&self, compute: u64, headroom: u64, size: ContextSize) -> Option<UbatchHint> {
         let known = |n: u64| if n == 0 { u64::MAX } else { n };
-        let one_prompt = self.ubatch >= size.n_ubatch && self.tokens <= known(size.n_ctx);
-        if !one_prompt || self.uneven || self.steps < 2 || self.ubatch == 0 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+        if !self.read_one_prompt_again(size) || self.ubatch == 0 {
             return None;
         }
         // One ubatch of the whole prompt: the smaller of the first doubling
@@ -193,6 +192,16 @@ impl PromptRun {
         )
     }
 
+    /// True if the run's steps are one prompt's (each as large as a context
+    /// of `size` computes at once, the prompt within it, even, two or more)
+    /// and read more than 1.25 times the bytes they touched: what both
+    /// hints ask before they say anything.
+    fn read_one_prompt_again(&self, size: ContextSize) -> bool {
+        let n_ctx = if size.n_ctx == 0 { u64::MAX } else { size.n_ctx };
+        let one_prompt = self.ubatch >= size.n_ubatch && self.tokens <= n_ctx && !self.uneven && self.steps >= 2;
+        one_prompt && self.bytes_read as f64 > 1.25 * self.touched_bytes as f64
+    }
+
     /// The `-b` that would give the whole prompt to one `llama_decode`, whose
     /// ubatches are computed together and so read each expert once (where
     /// the arena holds a layer's experts): the prompt rounded up to the
@@ -201,8 +210,7 @@ impl PromptRun {
     /// batches (see `ubatch_hint`).
     pub fn batch_hint(&self, size: ContextSize) -> Option<u64> {
         let known = |n: u64| if n == 0 { u64::MAX } else { n };
-        let one_prompt = self.ubatch >= size.n_ubatch && self.tokens <= known(size.n_ctx);
-        if !one_prompt || self.uneven || self.steps < 2 || self.bytes_read as f64 <= 1.25 * self.touched_bytes as f64 {
+        if !self.read_one_prompt_again(size) {
             return None;
         }
         let batch = self.tokens.div_ceil(size.n_ubatch.max(1)) * size.n_ubatch.max(1);
