@@ -140,6 +140,8 @@ struct sdq_hooks {
 enum sdq_report_kind {
     SDQ_REPORT_PROMETHEUS = 0, /* counters and gauges, Prometheus text format */
     SDQ_REPORT_PROPS = 1,      /* a JSON object: the budget and the arena */
+    SDQ_REPORT_PROMPT = 2,     /* a JSON object: the prompt being computed, its
+                                * tokens, bytes read and touched experts' bytes */
 };
 
 /* The report hook, or 0 (nothing written) with no table installed. */

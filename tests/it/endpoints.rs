@@ -9,7 +9,7 @@ use crate::util::*;
 use serde_json::{json, Value};
 
 /// The body of a chunked response, joined.
-fn dechunk(body: &str) -> String {
+pub(crate) fn dechunk(body: &str) -> String {
     let mut out = String::new();
     let mut rest = body;
     while let Some((size, tail)) = rest.split_once("\r\n") {

@@ -579,8 +579,9 @@ fn the_chat_page_is_served_at_the_root() {
 /// computed layer by layer across its ubatches, the answers are stock's,
 /// the prompts read less than one ubatch at a time does (`SDQ_GROUP=1`),
 /// the same conversation asked again reads nothing for its cached prompt,
-/// and `/metrics` and the stats file give the prompt's bytes read against
-/// its touched experts' bytes.
+/// `/metrics` and the stats file give the prompt's bytes read against its
+/// touched experts' bytes, and so does a streamed prompt's progress after
+/// each batch.
 #[test]
 fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     let model = tiny().to_str().unwrap();
@@ -633,7 +634,8 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
         let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
         // What the cached prompt's few new tokens read: at most a layer's experts each way.
         assert!(sample(&metrics, "sdq_prompt_read_bytes_total") - read <= two_layers as f64, "{tag}: a prompt-cache hit read again:\n{metrics}");
-        let (second, _) = chat(port, &long);
+        let (second, progress) = streamed_chat_progress(port, &long);
+        check_prompt_progress(tag, &progress);
         let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
         let total = sample(&metrics, "sdq_prompt_read_bytes_total");
         assert!(stop(server).success());
@@ -651,6 +653,47 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     assert_eq!((&grouped, &one_at_a_time), (&expect, &expect), "answers under the budget differ from stock's");
     assert!(grouped_read < 0.9 * alone_read, "grouped, the prompts read {grouped_read} bytes; one ubatch at a time, {alone_read}");
     eprintln!("long chat prompts: read {:.1} MiB grouped, {:.1} MiB one ubatch at a time", grouped_read / 1048576.0, alone_read / 1048576.0);
+}
+
+/// A streamed chat completion asking the prompt's progress
+/// (`return_progress`): its text and its `prompt_progress` objects in order.
+fn streamed_chat_progress(port: u16, text: &str) -> (String, Vec<Value>) {
+    let body = serde_json::json!({ "messages": [{ "role": "user", "content": text }], "max_tokens": 8, "top_k": 1, "temperature": 0,
+        "stream": true, "return_progress": true })
+    .to_string();
+    let (status, body) = http(port, "POST", "/v1/chat/completions", Some(&body)).expect("an answer within its timeout");
+    assert_eq!(status, 200, "{body}");
+    let (mut content, mut progress) = (String::new(), Vec::new());
+    for line in crate::endpoints::dechunk(&body).lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| l.trim() != "[DONE]") {
+        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
+        assert!(v.get("error").is_none(), "{v}");
+        if let Some(p) = v.get("prompt_progress") {
+            progress.push(p.clone());
+        }
+        content.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
+    }
+    (content, progress)
+}
+
+/// A prompt of several batches streams its progress after each with sdq's
+/// figures beside llama-server's: the prompt's tokens so far (the server's
+/// processed less its cached, but the first), and bytes read and touched
+/// that grow with it.
+fn check_prompt_progress(tag: &str, progress: &[Value]) {
+    let mid: Vec<&Value> = progress.iter().filter(|p| u(p, "processed") > u(p, "cache") && u(p, "processed") < u(p, "total")).collect();
+    assert!(!mid.is_empty(), "{tag}: no progress between the prompt's batches: {progress:?}");
+    let mut last = (0, 0, 0);
+    for p in progress {
+        let sdq = p.get("sdq").unwrap_or_else(|| panic!("{tag}: no sdq figures in the prompt's progress {p}"));
+        let now = (u(sdq, "tokens"), u(sdq, "read_bytes"), u(sdq, "touched_bytes"));
+        // The server computes a prompt's first token alone, a step sdq
+        // counts as decode (one token).
+        let computed = u(p, "processed") - u(p, "cache");
+        assert!(now.0 <= computed && now.0 + 1 >= computed, "{tag}: sdq's tokens are not the server's: {p}");
+        assert!(now.0 == 0 || (now.1 > 0 && now.2 > 0), "{tag}: a prompt under way read nothing: {p}");
+        assert!(now.0 >= last.0 && now.1 >= last.1 && now.2 >= last.2, "{tag}: the figures went back: {progress:?}");
+        last = now;
+    }
 }
 
 /// A read that fails for good inside a prompt whose ubatches are computed

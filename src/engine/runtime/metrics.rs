@@ -1,6 +1,7 @@
 //! The pager's figures as llama-server shows them: Prometheus text for
 //! `/metrics` and an object for `/props`, both read from the same figures
-//! the stats file holds, so the three never disagree.
+//! the stats file holds, so the three never disagree; and the prompt being
+//! computed, beside the server's own progress on it.
 
 use serde_json::{json, Value};
 use std::fmt::Write;
@@ -10,6 +11,8 @@ use std::fmt::Write;
 pub enum Report {
     Prometheus,
     Props,
+    /// The prompt being computed (a streamed prompt's `prompt_progress`).
+    Prompt,
 }
 
 impl Report {
@@ -17,6 +20,7 @@ impl Report {
         match kind {
             0 => Some(Report::Prometheus),
             1 => Some(Report::Props),
+            2 => Some(Report::Prompt),
             _ => None,
         }
     }
@@ -53,12 +57,20 @@ const GAUGES: &[(&str, &str, &str)] = &[
     ("sdq_swap_bytes", "Swap the process used (largest seen)", "vm_swap_bytes"),
 ];
 
-/// The figures of `stats` (the stats file's object) in `report`'s format.
+/// The figures of `stats` (the stats file's object) in `report`'s format
+/// (not `Report::Prompt`, which is `prompt_so_far`).
 pub fn render(report: Report, stats: &Value) -> String {
     match report {
         Report::Prometheus => prometheus(stats),
         Report::Props => props(stats).to_string(),
+        Report::Prompt => prompt_so_far(0, 0, 0),
     }
+}
+
+/// The prompt being computed: its tokens so far, the expert bytes read for
+/// it and the bytes of the distinct experts it used (each read once).
+pub fn prompt_so_far(tokens: u64, read_bytes: u64, touched_bytes: u64) -> String {
+    json!({ "tokens": tokens, "read_bytes": read_bytes, "touched_bytes": touched_bytes }).to_string()
 }
 
 fn prometheus(stats: &Value) -> String {
@@ -98,6 +110,14 @@ fn props(stats: &Value) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_prompt_so_far_is_an_object_of_its_three_figures() {
+        assert_eq!(Report::from_c(2), Some(Report::Prompt));
+        assert_eq!(Report::from_c(3), None);
+        let v: Value = serde_json::from_str(&prompt_so_far(2048, 7 << 20, 5 << 20)).unwrap();
+        assert_eq!(v, json!({ "tokens": 2048, "read_bytes": 7 << 20, "touched_bytes": 5 << 20 }));
+    }
 
     #[test]
     fn prometheus_names_every_figure_once_with_its_type() {

@@ -260,6 +260,13 @@ impl PhaseClock {
         }
     }
 
+    /// The prompt being computed so far: its tokens, the bytes read since
+    /// it started (`pager` now) and its touched experts' bytes; zeros
+    /// between prompts.
+    pub fn prompt_so_far(&self, pager: PagerTotals) -> (u64, u64, u64) {
+        self.run.as_ref().map_or((0, 0, 0), |r| (r.tokens, pager.bytes_read.saturating_sub(r.bytes_at_start), r.touched_bytes))
+    }
+
     /// Ends the prompt run (at a decode step, or at exit): returned if it
     /// had two or more ubatches.
     pub fn end_run(&mut self, pager: PagerTotals) -> Option<PromptRun> {
@@ -325,6 +332,23 @@ mod tests {
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.
         assert!((decode.seconds - 0.3).abs() < 1e-9, "{decode:?}");
+    }
+
+    #[test]
+    fn the_prompt_so_far_is_its_own_and_ends_with_it() {
+        let p = |bytes_read| PagerTotals { bytes_read, ..PagerTotals::default() };
+        let now = Instant::now();
+        let mut c = PhaseClock::default();
+        c.step_started(1, p(100), now); // a decode step before: not the prompt's
+        assert_eq!(c.prompt_so_far(p(100)), (0, 0, 0));
+        c.ubatch_begins(10);
+        c.step_started(512, p(100), now);
+        c.touched(3, &[1, 2], 50);
+        c.step_started(300, p(400), now);
+        c.touched(3, &[2, 5], 50);
+        assert_eq!(c.prompt_so_far(p(700)), (812, 600, 150));
+        c.step_started(1, p(700), now);
+        assert_eq!(c.prompt_so_far(p(700)), (0, 0, 0));
     }
 
     #[test]

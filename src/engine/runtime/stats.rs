@@ -114,7 +114,14 @@ impl Runtime {
     /// The figures of the stats file in `report`'s format (llama-server's
     /// `/metrics` and `/props`).
     pub fn report(&self, report: crate::engine::runtime::metrics::Report) -> String {
-        crate::engine::runtime::metrics::render(report, &self.stats_json())
+        use crate::engine::runtime::metrics;
+        if report == metrics::Report::Prompt {
+            // Asked after every batch of a streamed prompt: not the whole
+            // stats object.
+            let (tokens, read, touched) = self.lock_phases().prompt_so_far(self.pager_totals());
+            return metrics::prompt_so_far(tokens, read, touched);
+        }
+        metrics::render(report, &self.stats_json())
     }
 
     pub(super) fn stats_json(&self) -> serde_json::Value {
