@@ -10,7 +10,8 @@
 // reads fail while it exists) and every other turn removes it.
 // Prints one JSON object: for each turn, the request the page sent, the
 // response's status, the answer as streamed (its content deltas), the text
-// the page shows for it, and the error the page shows, if any.
+// the page shows for it, the error the page shows, if any, and the progress
+// lines it showed with sdq's figures while the prompt was computed.
 import { createRequire } from 'node:module';
 import fs from 'node:fs';
 import path from 'node:path';
@@ -59,8 +60,23 @@ try {
 		);
 		await input.fill(turn.message);
 		await input.press('Enter');
+		// The page's progress lines while the prompt is computed (sdq adds the
+		// experts read to them), polled until the answer is complete.
+		const progressShown = [];
+		let polling = true;
+		const poller = (async () => {
+			while (polling) {
+				const texts = await page.locator('.shimmer-text').allInnerTexts().catch(() => []);
+				for (const t of texts.map((x) => x.trim())) {
+					if (t.includes('experts read') && !progressShown.includes(t)) progressShown.push(t);
+				}
+				await page.waitForTimeout(20);
+			}
+		})();
 		const response = await responded;
 		const body = asSent(await response.text());
+		polling = false;
+		await poller;
 		const result = {
 			message: turn.message,
 			request: JSON.parse(response.request().postData()),
@@ -68,7 +84,8 @@ try {
 			streamed: streamedContent(body),
 			stream_error: streamError(body),
 			shown: null,
-			error_shown: null
+			error_shown: null,
+			progress_shown: progressShown
 		};
 
 		if (turn.fault) {

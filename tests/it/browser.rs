@@ -36,7 +36,8 @@ fn normalize(text: &str) -> String {
     text.split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// A message answered as stock answers the same request; a message sent
+/// A message answered as stock answers the same request, the page's
+/// progress line showing the experts read for its prompt; a message sent
 /// while reads fail shows the server's error in the page; the next message
 /// is answered as stock answers it. Screenshots of each turn are kept in
 /// target/tmp/sdq-it/browser/.
@@ -66,7 +67,9 @@ fn the_chat_page_answers_as_stock_and_shows_a_failed_read() {
     let stats = shots.join("stats.json");
     let (mut server, port) = start_server_env(
         &[&flags[..], &["--ram-budget", &budget, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
-        &[("SDQ_FAULT_READ", &format!("eio-while={}", fault.display())), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")],
+        // Every read a little slow, so that the page's progress line, which
+        // lasts until the first token, is there long enough to be seen.
+        &[("SDQ_FAULT_READ", &format!("eio-while={},delay=20", fault.display())), ("SDQ_PRELOAD", "0"), ("SDQ_READ_BACKOFF_MS", "1")],
     );
     let turn = |message: &str, faulty: bool| json!({ "message": message, "fault_file": fault, "fault": faulty });
     let config = json!({
@@ -99,6 +102,10 @@ fn the_chat_page_answers_as_stock_and_shows_a_failed_read() {
         assert!(!streamed.trim().is_empty(), "{what}: an empty answer: {t}");
         assert_eq!(t["shown"].as_str().unwrap(), normalize(streamed), "{what}: the page shows other text than it was sent");
         assert_eq!(streamed, stock_answer(&flags, &t["request"]), "{what}: answered unlike stock to the same request");
+        // The progress line with the experts read for the prompt (patch 0014).
+        let progress: Vec<&str> = t["progress_shown"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+        let shown_reads = |p: &&str| p.starts_with("Processing") && p.contains(" · experts read ") && p.ends_with(" MiB");
+        assert!(progress.iter().any(shown_reads), "{what}: the page showed no progress line with the experts read: {progress:?}");
     }
     let failed = &turns[1];
     let error = failed["stream_error"].as_str().unwrap_or_else(|| panic!("turn 2 did not fail: {failed}"));

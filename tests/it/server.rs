@@ -7,18 +7,11 @@ use serde_json::Value;
 use std::process::Command;
 use std::time::Duration;
 
-/// The server's exit status, which must come within 30 s (`what` says why
-/// it should exit).
-fn exit_within_30s(server: &mut KillOnDrop, what: &str) -> std::process::ExitStatus {
-    poll_until(30, || server.0.try_wait().unwrap()).unwrap_or_else(|| panic!("llama-server did not exit within 30 s {what}"))
-}
-
 /// Stops the server with SIGINT (its clean shutdown, which writes the
 /// stats) and returns its exit status.
 pub(crate) fn stop(mut server: KillOnDrop) -> std::process::ExitStatus {
-    // SAFETY: signalling our own child by its pid.
-    unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
-    exit_within_30s(&mut server, "of SIGINT")
+    let pid = server.0.id();
+    interrupt_until_exit(pid, || server.0.try_wait().unwrap()).unwrap_or_else(|| panic!("llama-server did not exit within 30 s of SIGINT"))
 }
 
 #[test]
