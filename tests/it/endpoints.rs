@@ -9,7 +9,7 @@ use crate::util::*;
 use serde_json::{json, Value};
 
 /// The body of a chunked response, joined.
-pub(crate) fn dechunk(body: &str) -> String {
+fn dechunk(body: &str) -> String {
     let mut out = String::new();
     let mut rest = body;
     while let Some((size, tail)) = rest.split_once("\r\n") {
@@ -23,24 +23,36 @@ pub(crate) fn dechunk(body: &str) -> String {
     out
 }
 
-/// A streamed chat completion's text: its SSE events' content deltas.
-fn streamed_chat(port: u16, message: &str) -> String {
-    let body = json!({ "messages": [{ "role": "user", "content": message }], "stream": true, "max_tokens": 24, "top_k": 1 }).to_string();
-    let (status, text) = http(port, "POST", "/v1/chat/completions", Some(&body)).unwrap();
+/// The events of a streamed `/v1/chat/completions` with `body` (answered
+/// 200, none an error), and whether the stream ended with `[DONE]`.
+pub(crate) fn chat_events(port: u16, body: &Value) -> (Vec<Value>, bool) {
+    let (status, text) = http(port, "POST", "/v1/chat/completions", Some(&body.to_string())).expect("an answer within its timeout");
     assert_eq!(status, 200, "{text}");
-    let text = dechunk(&text);
-    let mut content = String::new();
     let mut done = false;
-    for line in text.lines().filter_map(|l| l.strip_prefix("data: ")) {
+    let mut events = Vec::new();
+    for line in dechunk(&text).lines().filter_map(|l| l.strip_prefix("data: ")) {
         if line.trim() == "[DONE]" {
             done = true;
             continue;
         }
         let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
         assert!(v.get("error").is_none(), "{v}");
-        content.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
+        events.push(v);
     }
-    assert!(done && !content.is_empty(), "no streamed answer: {text}");
+    (events, done)
+}
+
+/// The text of streamed events: their content deltas, joined.
+pub(crate) fn streamed_content(events: &[Value]) -> String {
+    events.iter().filter_map(|v| v["choices"][0]["delta"]["content"].as_str()).collect()
+}
+
+/// A streamed chat completion's text: its SSE events' content deltas.
+fn streamed_chat(port: u16, message: &str) -> String {
+    let body = json!({ "messages": [{ "role": "user", "content": message }], "stream": true, "max_tokens": 24, "top_k": 1 });
+    let (events, done) = chat_events(port, &body);
+    let content = streamed_content(&events);
+    assert!(done && !content.is_empty(), "no streamed answer: {events:?}");
     content
 }
 

@@ -652,20 +652,10 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
 /// (`return_progress`): its text and its `prompt_progress` objects in order.
 fn streamed_chat_progress(port: u16, text: &str) -> (String, Vec<Value>) {
     let body = serde_json::json!({ "messages": [{ "role": "user", "content": text }], "max_tokens": 8, "top_k": 1, "temperature": 0,
-        "stream": true, "return_progress": true })
-    .to_string();
-    let (status, body) = http(port, "POST", "/v1/chat/completions", Some(&body)).expect("an answer within its timeout");
-    assert_eq!(status, 200, "{body}");
-    let (mut content, mut progress) = (String::new(), Vec::new());
-    for line in crate::endpoints::dechunk(&body).lines().filter_map(|l| l.strip_prefix("data: ")).filter(|l| l.trim() != "[DONE]") {
-        let v: Value = serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"));
-        assert!(v.get("error").is_none(), "{v}");
-        if let Some(p) = v.get("prompt_progress") {
-            progress.push(p.clone());
-        }
-        content.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or_default());
-    }
-    (content, progress)
+        "stream": true, "return_progress": true });
+    let (events, _) = crate::endpoints::chat_events(port, &body);
+    let progress = events.iter().filter_map(|v| v.get("prompt_progress").cloned()).collect();
+    (crate::endpoints::streamed_content(&events), progress)
 }
 
 /// A prompt of several batches streams its progress after each with sdq's
