@@ -24,8 +24,21 @@ const SKIP_TOP_LEVEL: &[&str] =
     &["models", "docs", "media", "gguf-py", "tests", "benches", "examples", "pocs", ".github", "conversion", "requirements", "grammars", "skills", ".sdq-pin"];
 
 /// The upstream tools the Cargo binaries run (entry shims in shim/tools/).
-const TOOLS: &[&str] =
-    &["cli", "completion", "server", "bench", "batched-bench", "perplexity", "quantize", "gguf-split", "imatrix", "tokenize", "mtmd-cli", "test-llama-archs"];
+const TOOLS: &[&str] = &[
+    "cli",
+    "completion",
+    "server",
+    "bench",
+    "batched-bench",
+    "perplexity",
+    "quantize",
+    "gguf-split",
+    "imatrix",
+    "tokenize",
+    "mtmd-cli",
+    "test-llama-archs",
+    "rpc-server",
+];
 
 /// The headers bindgen reads.
 const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "gguf.h", "llama.h"];
@@ -646,6 +659,8 @@ fn cmake_build(root: &Path, src: &Path, pin: &Pin, work: &Path, target: &str) ->
         .define("SDQ_GGML_AMX", if amx { "ON" } else { "OFF" })
         .define("GGML_OPENMP", "OFF")
         .define("GGML_CPU", "ON")
+        // ggml's RPC backend: --rpc in every tool, and rpc-server.
+        .define("GGML_RPC", "ON")
         .define("LLAMA_BUILD_COMMON", "ON")
         .define("LLAMA_BUILD_TOOLS", "ON")
         .define("LLAMA_BUILD_SERVER", "ON")

@@ -26,8 +26,11 @@ void sdq_drop_cached(int fd, uint64_t offset, uint64_t length) {
 
 bool sdq_is_paged_tensor(const ggml_tensor * t) {
     const sdq_hooks * h = sdq_get_hooks();
-    return h && h->paged_buft && t && t->buffer &&
-           ggml_backend_buffer_get_type(t->buffer) == h->paged_buft;
+    if (!h || !h->paged_buft || !t || !t->buffer) {
+        return false;
+    }
+    return ggml_backend_buffer_get_type(t->buffer) == h->paged_buft ||
+           (h->remote_paged && h->remote_paged(h->user_data, t));
 }
 
 bool sdq_abort_requested(void * data) {
@@ -57,5 +60,63 @@ void sdq_check_load(void) {
     char buf[2048];
     if (h && h->take_load_error && h->take_load_error(h->user_data, buf, sizeof(buf))) {
         throw std::runtime_error(buf);
+    }
+}
+
+// RPC (patch 0015): ggml-rpc calls these, each a no-op without the table.
+
+bool sdq_rpc_claim_weight(const ggml_tensor * t, const char * endpoint, sdq_rpc_claim * claim) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->rpc_claim && h->rpc_claim(h->user_data, t, endpoint, claim);
+}
+
+size_t sdq_rpc_claimed(const ggml_tensor * t, const char * endpoint, uint64_t alloc_size) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->rpc_claimed ? h->rpc_claimed(h->user_data, t, endpoint, alloc_size) : 0;
+}
+
+bool sdq_rpc_encode_op(const ggml_tensor * node, int32_t * op_params) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->rpc_encode_op && node->op == GGML_OP_CUSTOM && h->rpc_encode_op(h->user_data, node, op_params);
+}
+
+bool sdq_rpc_node_pages(const char * endpoint) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->rpc_node_pages && h->rpc_node_pages(h->user_data, endpoint);
+}
+
+void sdq_rpc_node_failed(const char * endpoint, const char * message) {
+    const sdq_hooks * h = sdq_get_hooks();
+    if (h && h->rpc_node_failed) {
+        h->rpc_node_failed(h->user_data, endpoint, message);
+    }
+}
+
+void sdq_rpc_node_lost(const char * endpoint, const char * what) {
+    const sdq_hooks * h = sdq_get_hooks();
+    if (h && h->rpc_node_lost) {
+        h->rpc_node_lost(h->user_data, endpoint, what);
+    }
+}
+
+uint64_t sdq_node_claim(const ggml_tensor * t, const sdq_rpc_claim * claim) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->node_claim ? h->node_claim(h->user_data, t, claim) : 0;
+}
+
+size_t sdq_node_weight_bytes(const ggml_tensor * t) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->node_weight_bytes ? h->node_weight_bytes(h->user_data, t) : 0;
+}
+
+bool sdq_node_bind_op(ggml_tensor * node) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->node_bind_op && h->node_bind_op(h->user_data, node);
+}
+
+void sdq_node_buffers(uint64_t bytes) {
+    const sdq_hooks * h = sdq_get_hooks();
+    if (h && h->node_buffers) {
+        h->node_buffers(h->user_data, bytes);
     }
 }

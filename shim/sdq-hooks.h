@@ -20,7 +20,46 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 14
+#define SDQ_HOOKS_VERSION 15
+
+/* Where a weight goes (the is_paged hook). */
+enum sdq_place {
+    SDQ_STOCK = 0,         /* where llama.cpp put it, loaded as stock loads it */
+    SDQ_PAGED = 1,         /* paged_buft: read from the file by this process's pager */
+    SDQ_PAGED_ON_NODE = 2, /* its RPC buffer type, 4 KiB: paged by the node's
+                            * pager from the node's copy of the model; never
+                            * read or sent by this process */
+};
+
+#define SDQ_RPC_MAGIC 0x31716473u /* "sdq1" */
+
+/* A host's claim on one routed-expert weight, carried to the node in the
+ * op_params of the weight's rpc_tensor (GET_ALLOC_SIZE). */
+struct sdq_rpc_claim {
+    uint32_t magic;       /* SDQ_RPC_MAGIC */
+    uint32_t file;        /* the model's split file index */
+    uint64_t file_size;   /* that file's size in bytes */
+    uint64_t offset;      /* the weight's bytes in that file */
+    uint64_t header_hash; /* FNV-1a of the file's GGUF header (metadata and tensor table) */
+    uint64_t sample_hash; /* FNV-1a of the weight's first and last 4 KiB */
+};
+
+/* sdq's op as it crosses to an RPC node, in the rpc_tensor's op_params
+ * (instead of ggml_custom_op_params' function and userdata pointers). */
+struct sdq_rpc_op {
+    uint32_t magic;   /* SDQ_RPC_MAGIC */
+    uint32_t kind;    /* enum sdq_rpc_op_kind */
+    int32_t n_tasks;  /* ggml_custom_op_params.n_tasks */
+    int32_t layer;    /* the op's layer (the predictor's own layer) */
+    int32_t next;     /* the predictor's next paged layer */
+    int32_t top_k;    /* the predictor's experts per token */
+};
+
+enum sdq_rpc_op_kind {
+    SDQ_RPC_OP_EXPERTS = 1,    /* moe_experts */
+    SDQ_RPC_OP_MUL_MAT_ID = 2, /* mul_mat_id */
+    SDQ_RPC_OP_PREDICT = 3,    /* the next layer's prediction */
+};
 
 struct sdq_hooks {
     uint32_t version;                      /* SDQ_HOOKS_VERSION */
@@ -36,12 +75,13 @@ struct sdq_hooks {
      * one call per part). */
     void (*loader_file)(void * user_data, uint32_t idx, const char * path);
 
-    /* Loader: should this weight be placed in paged_buft? `stock_buft` is
-     * the buffer type llama.cpp chose for it (flags, overrides and CPU
-     * features applied): its layout is the one sdq's kernels reproduce. */
-    bool (*is_paged)(void * user_data, const struct ggml_tensor * meta, ggml_backend_buffer_type_t stock_buft);
+    /* Loader: where this weight goes (enum sdq_place). `stock_buft` is the
+     * buffer type llama.cpp chose for it (flags, overrides and CPU features
+     * applied): its layout is the one sdq's kernels reproduce. */
+    int (*is_paged)(void * user_data, const struct ggml_tensor * meta, ggml_backend_buffer_type_t stock_buft);
 
-    /* Loader: weight `t` (in paged_buft) has its bytes in file `idx` at `offs`. */
+    /* Loader: weight `t` (in paged_buft, or paged on its RPC node) has its
+     * bytes in file `idx` at `offs`. */
     void (*paged_weight)(void * user_data, const struct ggml_tensor * t, uint32_t idx, uint64_t offs);
 
     /* Loader: weight `t` is not paged (it is created, its data is not loaded
@@ -135,7 +175,66 @@ struct sdq_hooks {
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
      * Returns the text's whole length, as snprintf does. */
     size_t (*report)(void * user_data, int kind, char * buf, size_t len);
+
+    /* RPC, on the host (ggml's RPC backend, patch 0015). */
+    /* Is `t` a weight paged on its RPC node (SDQ_PAGED_ON_NODE)? */
+    bool (*remote_paged)(void * user_data, const struct ggml_tensor * t);
+    /* Weight `t`, placed on RPC node `endpoint`: if it is paged there, fills
+     * `claim` (what the node checks against its own copy of the model) and
+     * returns true. */
+    bool (*rpc_claim)(void * user_data, const struct ggml_tensor * t, const char * endpoint, struct sdq_rpc_claim * claim);
+    /* The node answered the claim on `t` with `alloc_size`: returns the
+     * size to allocate, sdq's 4 KiB either way; an answer other than that
+     * (a stock rpc-server, one without -m, another model) leaves a load
+     * error, which the loader throws before reading any weight. */
+    size_t (*rpc_claimed)(void * user_data, const struct ggml_tensor * t, const char * endpoint, uint64_t alloc_size);
+    /* Graph node `node` (a GGML_OP_CUSTOM) about to cross to an RPC node:
+     * if it is one of sdq's ops, writes its name for the node into
+     * `op_params` (struct sdq_rpc_op) and returns true. */
+    bool (*rpc_encode_op)(void * user_data, const struct ggml_tensor * node, int32_t * op_params);
+    /* Does RPC node `endpoint` page experts (so it is asked after each graph
+     * whether the graph failed)? */
+    bool (*rpc_node_pages)(void * user_data, const char * endpoint);
+    /* The last graph on RPC node `endpoint` failed with `message` (the
+     * node's own, e.g. a failed read): the batch is abandoned, as for a
+     * local failed read. */
+    void (*rpc_node_failed)(void * user_data, const char * endpoint, const char * message);
+    /* The connection to RPC node `endpoint` broke during `what`: reports it
+     * and ends the process (does not return). */
+    void (*rpc_node_lost)(void * user_data, const char * endpoint, const char * what);
+
+    /* RPC, on a node (rpc-server -m FILE with a budget). */
+    /* The host claims weight `t` (name, type and shape from the wire) as
+     * paged here: sdq's 4 KiB if this node's model has it where the claim
+     * says, else 0 (logged here, and the host is told). */
+    uint64_t (*node_claim)(void * user_data, const struct ggml_tensor * t, const struct sdq_rpc_claim * claim);
+    /* The bytes a weight of this node takes in its RPC buffer: 4 KiB for a
+     * claimed one, 0 for any other tensor (ggml_nbytes applies). */
+    size_t (*node_weight_bytes)(void * user_data, const struct ggml_tensor * t);
+    /* Graph node `node` arrived with sdq's name for an op (its sources are
+     * linked): sets its function and userdata to this node's own. False if
+     * this node cannot compute it. */
+    bool (*node_bind_op)(void * user_data, struct ggml_tensor * node);
+    /* The RPC buffers the host allocated here now hold `bytes` in all. */
+    void (*node_buffers)(void * user_data, uint64_t bytes);
 };
+
+/* The endpoint ("host:port") of an RPC buffer type, or NULL for any other
+ * (defined in ggml-rpc, patch 0015). */
+const char * sdq_rpc_buft_endpoint(ggml_backend_buffer_type_t buft);
+
+/* The hooks above through the installed table, each a no-op (false, 0)
+ * without it; for ggml-rpc, which does not see the table's layout change. */
+bool sdq_rpc_claim_weight(const struct ggml_tensor * t, const char * endpoint, struct sdq_rpc_claim * claim);
+size_t sdq_rpc_claimed(const struct ggml_tensor * t, const char * endpoint, uint64_t alloc_size);
+bool sdq_rpc_encode_op(const struct ggml_tensor * node, int32_t * op_params);
+bool sdq_rpc_node_pages(const char * endpoint);
+void sdq_rpc_node_failed(const char * endpoint, const char * message);
+void sdq_rpc_node_lost(const char * endpoint, const char * what);
+uint64_t sdq_node_claim(const struct ggml_tensor * t, const struct sdq_rpc_claim * claim);
+size_t sdq_node_weight_bytes(const struct ggml_tensor * t);
+bool sdq_node_bind_op(struct ggml_tensor * node);
+void sdq_node_buffers(uint64_t bytes);
 
 enum sdq_report_kind {
     SDQ_REPORT_PROMETHEUS = 0, /* counters and gauges, Prometheus text format */

@@ -12,7 +12,9 @@
 //! 6. [`runtime`]: the process's state while a budget is set: options,
 //!    the loader's registry, the pager's creation, phases, failures, stats.
 //! 7. [`moe`]: the expert op ggml calls for a paged layer.
-//! 8. [`hooks`]: the hook table llama.cpp calls into, and the paged buffer
+//! 8. [`rpc`]: across machines: the weights a host's RPC nodes page, and a
+//!    node's own copy of the model.
+//! 9. [`hooks`]: the hook table llama.cpp calls into, and the paged buffer
 //!    type.
 
 pub mod ffi;
@@ -22,4 +24,5 @@ pub mod model;
 pub mod moe;
 pub mod pager;
 pub mod routing;
+pub mod rpc;
 pub mod runtime;

@@ -32,6 +32,7 @@ pub mod entry {
         pub fn sdq_tool_tokenize(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_mtmd_cli(argc: c_int, argv: *mut *mut c_char) -> c_int;
         pub fn sdq_tool_test_llama_archs(argc: c_int, argv: *mut *mut c_char) -> c_int;
+        pub fn sdq_tool_rpc_server(argc: c_int, argv: *mut *mut c_char) -> c_int;
     }
 }
 
@@ -143,6 +144,50 @@ fn tool_has_prompt_cache(program: &str) -> bool {
     tool_is(program, "llama-server") || tool_is(program, "llama-cli")
 }
 
+/// rpc-server's `-m FILE`: the node's own copy of the model, whose routed
+/// experts it pages for the layers a host places on it. Upstream's
+/// rpc-server has no such flag, so it is taken out of `args`.
+fn take_node_model(args: &mut Vec<OsString>) -> Option<std::path::PathBuf> {
+    let i = args.iter().skip(1).position(|a| a == "-m" || a == "--model")? + 1;
+    let path = args.get(i + 1).map(std::path::PathBuf::from);
+    args.drain(i..(i + 2).min(args.len()));
+    path
+}
+
+/// A signal that stops rpc-server (it serves until stopped), for the
+/// watcher in `finish_on_stop_signal`.
+static STOP_SIGNAL: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(0);
+
+extern "C" fn note_stop_signal(sig: c_int) {
+    STOP_SIGNAL.store(sig, std::sync::atomic::Ordering::SeqCst);
+}
+
+/// rpc-server ends on SIGINT or SIGTERM: the stats file and the summary
+/// line are written first, then the signal ends it as it would upstream's.
+fn finish_on_stop_signal() {
+    // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
+    unsafe {
+        libc::signal(libc::SIGINT, note_stop_signal as *const () as libc::sighandler_t);
+        libc::signal(libc::SIGTERM, note_stop_signal as *const () as libc::sighandler_t);
+    }
+    std::thread::Builder::new()
+        .name("sdq-stop".into())
+        .spawn(|| loop {
+            let sig = STOP_SIGNAL.load(std::sync::atomic::Ordering::SeqCst);
+            if sig != 0 {
+                finish_runtime();
+                // SAFETY: restoring the default disposition and raising the
+                // signal ends the process as the signal would have.
+                unsafe {
+                    libc::signal(sig, libc::SIG_DFL);
+                    libc::raise(sig);
+                }
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        })
+        .expect("spawn the stop-signal watcher");
+}
+
 /// Runs the tool behind `entry` with this process's arguments and exits with
 /// its status, as the upstream `main` would. sdq's own options are taken out
 /// first; with a RAM budget, routed experts are paged.
@@ -180,6 +225,14 @@ pub fn run(entry: Entry) -> ! {
         std::process::exit(1);
     }
     let checks = if opts.budget.is_some() { check_models(&program, &args) } else { Vec::new() };
+    let node_model = if tool_is(&program, "rpc-server") { take_node_model(&mut args) } else { None };
+    if tool_is(&program, "rpc-server") && opts.budget.is_some() && node_model.is_none() {
+        eprintln!("{program}: error: --ram-budget on an rpc-server pages the routed experts of its own copy of the model: name it with -m FILE (the same model files as the host's)");
+        std::process::exit(1);
+    }
+    if node_model.is_some() && opts.budget.is_none() {
+        eprintln!("sdq: notice: -m is used with --ram-budget only; rpc-server runs as upstream's and the host sends every weight");
+    }
     // Models were named and none has routed experts: there is nothing to page.
     if !checks.is_empty() && checks.iter().all(|c| c.routed_expert_tensors == 0) {
         let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
@@ -217,6 +270,15 @@ pub fn run(entry: Entry) -> ! {
             rt.await_model(draft);
         }
         hooks::install();
+        if let Some(path) = &node_model {
+            // A node's failed read fails the host's batch; the node serves on.
+            runtime::failure::allow_batch_abort();
+            if let Err(e) = crate::engine::rpc::node::open(path) {
+                eprintln!("{program}: error: {e}");
+                std::process::exit(1);
+            }
+            finish_on_stop_signal();
+        }
         // Tools may exit() without returning; the stats are written either way.
         // SAFETY: registering a plain extern "C" function with no state.
         unsafe { libc::atexit(finish_runtime) };

@@ -15,6 +15,7 @@ mod load;
 mod pager;
 mod pages;
 mod replay;
+mod rpc;
 mod server;
 mod split;
 mod tools;

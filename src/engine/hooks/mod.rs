@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 pub mod buffer_type;
+mod rpc;
 
 struct HookTable(sys::sdq_hooks);
 
@@ -56,6 +57,17 @@ pub fn install() {
             expert_layer: Some(expert_layer),
             experts_ahead: Some(experts_ahead),
             report: Some(report),
+            remote_paged: Some(rpc::remote_paged),
+            rpc_claim: Some(rpc::rpc_claim),
+            rpc_claimed: Some(rpc::rpc_claimed),
+            rpc_encode_op: Some(rpc::rpc_encode_op),
+            rpc_node_pages: Some(rpc::rpc_node_pages),
+            rpc_node_failed: Some(rpc::rpc_node_failed),
+            rpc_node_lost: Some(rpc::rpc_node_lost),
+            node_claim: Some(rpc::node_claim),
+            node_weight_bytes: Some(rpc::node_weight_bytes),
+            node_bind_op: Some(rpc::node_bind_op),
+            node_buffers: Some(rpc::node_buffers),
         })
     });
     // SAFETY: the table is static, so it outlives every model.
@@ -187,20 +199,31 @@ extern "C" fn loader_file(_: *mut c_void, idx: u32, path: *const c_char) {
     })
 }
 
-extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> bool {
+extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> std::ffi::c_int {
     guard("is_paged", || {
-        let Some(rt) = runtime::get() else { return false };
+        let Some(rt) = runtime::get() else { return sys::SDQ_STOCK as std::ffi::c_int };
         // SAFETY: llama.cpp passes a valid tensor descriptor.
         let (name, meta) = unsafe { (tensor_name(meta), &*meta) };
         if Part::from_tensor_name(&name).is_none() {
-            return false;
+            return sys::SDQ_STOCK as std::ffi::c_int;
+        }
+        // A layer placed on an RPC node: that node pages its experts (the
+        // host claims them for it once they exist; see crate::engine::rpc).
+        // SAFETY: a pointer comparison and a read of ggml-rpc's own context.
+        let endpoint = unsafe { sys::sdq_rpc_buft_endpoint(stock_buft) };
+        if !endpoint.is_null() {
+            // SAFETY: ggml-rpc's endpoint string, NUL-terminated.
+            let endpoint = unsafe { CStr::from_ptr(endpoint) }.to_string_lossy();
+            crate::engine::rpc::host::place(&name, &endpoint);
+            return sys::SDQ_PAGED_ON_NODE as std::ffi::c_int;
         }
         // SAFETY: the loader passes the buffer type it chose, one of ggml's.
         let (layout, notice) = unsafe { WeightLayout::of(meta, stock_buft) };
-        rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| {
+        let paged = rt.is_paged(&name, GgmlType(meta.type_), layout, notice).unwrap_or_else(|e| {
             failure::fail_load(&e.to_string());
             false
-        })
+        });
+        (if paged { sys::SDQ_PAGED } else { sys::SDQ_STOCK }) as std::ffi::c_int
     })
 }
 
@@ -211,6 +234,11 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
         // SAFETY: llama.cpp passes the tensor it just created.
         let (name, t) = unsafe { (tensor_name(t), &*t) };
         let Some((layer, part)) = Part::from_tensor_name(&name) else { fatal(&format!("tensor {name} was paged but is not a routed expert")) };
+        if let Some(endpoint) = crate::engine::rpc::host::placed_on(&name) {
+            let path = rt.model_file(idx).unwrap_or_default();
+            let tensor = PagedTensor { name, layer, part, ty: GgmlType(t.type_), ne: t.ne, nb: t.nb, file: idx, offset: offs, layout: WeightLayout::Plain };
+            return crate::engine::rpc::host::on_weight(tensor, address, endpoint, path);
+        }
         rt.on_paged_weight(
             PagedTensor {
                 name,
@@ -398,7 +426,7 @@ extern "C" fn mul_mat_id(
         // The prediction is the gate matmul's fourth source, which it does not
         // read: ggml computes it just before the layer's experts, once routing
         // is known, and the reads it starts queue behind the layer's own.
-        if matches!(part, Part::Gate | Part::GateUp) {
+        if matches!(part, Part::Gate | Part::GateUp) && !crate::engine::rpc::host::is_on_node(a as usize) {
             // SAFETY: the tensors come from llama.cpp's graph (above).
             args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         }
@@ -520,8 +548,11 @@ extern "C" fn moe_experts(
         // The prediction is a source the op does not read: ggml computes it
         // just before the layer's experts, once routing is known (see
         // mul_mat_id).
-        // SAFETY: the tensors come from llama.cpp's graph (above).
-        args.extend(unsafe { build_prediction(ctx, layer, b, it) });
+        // (None for a layer paged on an RPC node: its pager is the node's.)
+        if !crate::engine::rpc::host::is_on_node(gate as usize) {
+            // SAFETY: the tensors come from llama.cpp's graph (above).
+            args.extend(unsafe { build_prediction(ctx, layer, b, it) });
+        }
         // SAFETY: ctx is the graph's context; args are 5 or 6 valid tensors;
         // the callback and its leaked userdata live for the whole process.
         unsafe {

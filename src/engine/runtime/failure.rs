@@ -76,6 +76,20 @@ pub fn fail_batch(msg: &str) {
     }
 }
 
+/// A batch failed on an RPC node (its graph stopped there, with `msg`):
+/// abandoned as for a read failed here, except that this process's graph
+/// has already stopped, so ggml is not asked to stop it.
+pub fn fail_batch_elsewhere(msg: &str) {
+    if !BATCH_ABORT.supported.load(Ordering::Acquire) {
+        fatal(msg);
+    }
+    let mut first = BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner());
+    if first.is_none() {
+        say_error(&format!("sdq: error: {msg}; the batch is abandoned"));
+        *first = Some(msg.to_string());
+    }
+}
+
 /// sdq runs inside a host program (src/host/library.rs): what would end a tool
 /// fails the batch instead (llama_decode returns non-zero), and the host
 /// goes on.

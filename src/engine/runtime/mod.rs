@@ -185,6 +185,24 @@ impl Runtime {
         *self.awaited.lock().unwrap_or_else(|p| p.into_inner()) = Some(path);
     }
 
+    /// The experts of layer `layer` are paged on RPC node `endpoint`.
+    pub fn on_node_layer(&self, endpoint: &str, layer: u32) {
+        let mut r = self.lock_registry();
+        let e = r.on_nodes.entry(endpoint.to_string()).or_insert((layer, layer));
+        *e = (e.0.min(layer), e.1.max(layer));
+    }
+
+    /// The path of file `idx` of the model loading now.
+    pub fn model_file(&self, idx: u32) -> Option<PathBuf> {
+        let r = self.lock_registry();
+        r.files.get(&(r.loading().file_base + idx)).cloned()
+    }
+
+    /// True if this process pages experts of layer `layer`.
+    pub fn pages_layer(&self, layer: u32) -> bool {
+        self.lock_registry().tensors.values().any(|t| t.layer == layer)
+    }
+
     /// The pager's layer of the paged weight at `tensor` (the loader's
     /// tensor), if the loader reported it.
     pub fn paged_layer_of(&self, tensor: usize) -> Option<u32> {

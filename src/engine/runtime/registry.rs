@@ -25,6 +25,8 @@ pub(super) struct Registry {
     /// Each paged weight's layer as the pager numbers it, by the address of
     /// the loader's tensor (the graph's expert ops see that tensor).
     pub(super) weights: std::collections::HashMap<usize, u32>,
+    /// Layers whose experts RPC nodes page: endpoint → (first, last).
+    pub(super) on_nodes: BTreeMap<String, (u32, u32)>,
 }
 
 /// A model the process loaded (a draft model, `-md`, beside the target).

@@ -87,8 +87,16 @@ impl Runtime {
     pub(super) fn summary_line(&self) -> Option<String> {
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         let swap = self.max_swap.load(Ordering::Relaxed);
-        Some(match self.pager.get() {
+        let on_nodes = {
+            let r = self.lock_registry();
+            let nodes: Vec<String> = r.on_nodes.iter().map(|(e, (a, b))| format!("layers {a}-{b} on {e}")).collect();
+            (!nodes.is_empty()).then(|| format!(" | experts paged on rpc nodes: {}", nodes.join(", ")))
+        };
+        let line = match self.pager.get() {
             None if self.lock_registry().models.is_empty() => return None,
+            None if on_nodes.is_some() => {
+                format!("sdq: no routed experts were paged here; peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
+            }
             None => format!(
                 "sdq: no routed experts were paged (the model has none, or none were used); peak anonymous RSS {} of {} budget, swap {}",
                 human(peak),
@@ -108,7 +116,8 @@ impl Runtime {
                     human(swap)
                 )
             }
-        })
+        };
+        Some(line + on_nodes.as_deref().unwrap_or(""))
     }
 
     /// The figures of the stats file in `report`'s format (llama-server's
