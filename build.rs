@@ -41,7 +41,7 @@ const TOOLS: &[&str] = &[
 ];
 
 /// The headers bindgen reads.
-const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "gguf.h", "llama.h"];
+const HEADERS: &[&str] = &["ggml.h", "ggml-cpu.h", "ggml-backend.h", "ggml-rpc.h", "gguf.h", "llama.h"];
 
 fn main() {
     let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());

@@ -60,3 +60,78 @@ def wait_healthy(url, proc, timeout):
                 return
         except OSError:
             time.sleep(0.2)
+
+
+class RpcNode:
+    """One rpc-server on a free loopback port: sdq's, paging from `model`
+    under `budget` when given (else upstream's RPC), inside
+    `sdq limit --memory LIMIT [--read-rate R]` when `limit` is given. Its
+    stdout and stderr go to `log`; `stop()` ends it with SIGINT (its summary
+    line and stats file) and returns the limit's report, if any."""
+
+    def __init__(self, bin_dir, work, name, model=None, budget=None, limit=None, read_rate=None, threads=1, env=None):
+        self.port = free_port()
+        self.endpoint = f"127.0.0.1:{self.port}"
+        self.log = os.path.join(work, f"{name}.log")
+        self.stats = os.path.join(work, f"{name}.json") if budget else None
+        self.report = os.path.join(work, f"{name}-limit.json") if limit else None
+        cmd = []
+        if limit:
+            cmd = [os.path.join(bin_dir, "sdq"), "limit", "--memory", str(limit), "--report", self.report]
+            if read_rate:
+                cmd += ["--read-rate", str(read_rate)]
+            cmd += ["--"]
+        cmd += [os.path.join(bin_dir, "rpc-server"), "-H", "127.0.0.1", "-p", str(self.port), "-t", str(threads)]
+        if budget:
+            cmd += ["-m", model, "--ram-budget", str(budget), "--sdq-stats", self.stats]
+        with open(self.log, "w") as log:
+            self.runner = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env={**os.environ, **(env or {})})
+        self.pid = self._server_pid()
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if self.runner.poll() is not None:
+                sys.exit(f"rpc-server {name} exited early:\n{open(self.log).read()}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                time.sleep(0.2)
+        sys.exit(f"rpc-server {name} not listening within 120 s")
+
+    def _server_pid(self):
+        """The rpc-server's pid (the runner's child under `sdq limit`)."""
+        if not self.report:
+            return self.runner.pid
+        for _ in range(200):
+            try:
+                with open(f"/proc/{self.runner.pid}/task/{self.runner.pid}/children") as f:
+                    kids = f.read().split()
+                if kids:
+                    return int(kids[0])
+            except OSError:
+                pass
+            time.sleep(0.05)
+        return self.runner.pid
+
+    def stop(self):
+        """SIGINT (sdq writes its stats and summary, then the signal ends
+        it); returns (the limit's report or None, the node's log)."""
+        import json
+        import signal
+        try:
+            os.kill(self.pid, signal.SIGINT)
+            self.runner.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.runner.kill()
+            self.runner.wait()
+        report = None
+        if self.report and os.path.exists(self.report):
+            with open(self.report) as f:
+                report = json.load(f)
+        with open(self.log) as f:
+            return report, f.read()
+
+    def read_stats(self):
+        import json
+        with open(self.stats) as f:
+            return json.load(f)

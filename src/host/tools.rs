@@ -271,8 +271,9 @@ pub fn run(entry: Entry) -> ! {
         }
         hooks::install();
         if let Some(path) = &node_model {
-            // A node's failed read fails the host's batch; the node serves on.
-            runtime::failure::allow_batch_abort();
+            // A node's failed read, or a budget too small for its arena,
+            // fails the host's batch; the node serves on.
+            runtime::failure::serve_as_node();
             if let Err(e) = crate::engine::rpc::node::open(path) {
                 eprintln!("{program}: error: {e}");
                 std::process::exit(1);

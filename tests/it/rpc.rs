@@ -155,6 +155,22 @@ fn a_node_that_does_not_page_is_a_clear_error_at_load() {
     assert!(b.log().contains(other.to_str().unwrap()), "the node names its own file:\n{}", b.log());
 }
 
+/// A node whose budget cannot hold one layer's experts beside what the host
+/// placed on it fails the host's batch with its own line (the minimum
+/// budget), and serves the next host.
+#[test]
+fn a_node_budget_too_small_fails_the_batch_with_the_nodes_minimum() {
+    let model = tiny();
+    let a = Node::start("small", Some((model, "20M")), &[]);
+    let o = complete(model, &[&a], "99", &["--ram-budget", "1G"], &[]);
+    assert!(!o.status.success());
+    let e = stderr(&o);
+    assert!(e.contains(&format!("rpc node {}: RAM budget 20.0 MiB is too small", a.endpoint())) && e.contains("the minimum budget is"), "{e}\n{}", a.log());
+    assert!(!a.log().contains("panicked"), "{}", a.log());
+    let o = complete(model, &[&a], "99", &[], &[]);
+    assert!(o.status.success(), "the node serves the next host (upstream's RPC):\n{}\n{}", stderr(&o), a.log());
+}
+
 /// A node's failed read fails that batch on the host with the node's error
 /// (the node, its file, layer and expert), and llama-server goes on: the
 /// next request, read again once the disk is back, answers as the same

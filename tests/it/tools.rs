@@ -132,6 +132,7 @@ fn tools_link_llama_statically() {
         "llama-imatrix",
         "llama-tokenize",
         "llama-mtmd-cli",
+        "rpc-server",
         "sdq",
     ] {
         let o = run(Command::new("ldd").arg(bin(tool)), 60);

@@ -426,7 +426,8 @@ extern "C" fn mul_mat_id(
         // The prediction is the gate matmul's fourth source, which it does not
         // read: ggml computes it just before the layer's experts, once routing
         // is known, and the reads it starts queue behind the layer's own.
-        if matches!(part, Part::Gate | Part::GateUp) && !crate::engine::rpc::host::is_on_node(a as usize) {
+        // SAFETY: a is a valid tensor of the graph (above).
+        if matches!(part, Part::Gate | Part::GateUp) && !crate::engine::rpc::host::is_on_node(a as usize, &unsafe { tensor_name(a) }) {
             // SAFETY: the tensors come from llama.cpp's graph (above).
             args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         }
@@ -549,7 +550,7 @@ extern "C" fn moe_experts(
         // just before the layer's experts, once routing is known (see
         // mul_mat_id).
         // (None for a layer paged on an RPC node: its pager is the node's.)
-        if !crate::engine::rpc::host::is_on_node(gate as usize) {
+        if !crate::engine::rpc::host::is_on_node(gate as usize, &names[0]) {
             // SAFETY: the tensors come from llama.cpp's graph (above).
             args.extend(unsafe { build_prediction(ctx, layer, b, it) });
         }

@@ -34,14 +34,15 @@ unsafe fn endpoint(s: *const c_char) -> String {
 }
 
 pub(super) extern "C" fn remote_paged(_: *mut c_void, t: *const sys::ggml_tensor) -> bool {
-    guard("remote_paged", || host::is_on_node(t as usize))
+    // SAFETY: llama.cpp passes a tensor with a buffer (a valid tensor).
+    guard("remote_paged", || host::is_on_node(t as usize, &unsafe { tensor_name(t) }))
 }
 
 pub(super) extern "C" fn rpc_claim(_: *mut c_void, t: *const sys::ggml_tensor, ep: *const c_char, claim: *mut sys::sdq_rpc_claim) -> bool {
     guard("rpc_claim", || {
-        // SAFETY: ggml-rpc passes its buffer type's endpoint.
-        let ep = unsafe { endpoint(ep) };
-        match host::claim(t as usize, &ep) {
+        // SAFETY: ggml-rpc passes its buffer type's endpoint and a valid tensor.
+        let (ep, name) = unsafe { (endpoint(ep), tensor_name(t)) };
+        match host::claim(t as usize, &name, &ep) {
             None => false,
             Some(Ok(c)) => {
                 // SAFETY: ggml-rpc passes a claim to fill.
@@ -67,9 +68,9 @@ pub(super) extern "C" fn rpc_claim(_: *mut c_void, t: *const sys::ggml_tensor, e
 
 pub(super) extern "C" fn rpc_claimed(_: *mut c_void, t: *const sys::ggml_tensor, ep: *const c_char, answer: u64) -> usize {
     guard("rpc_claimed", || {
-        // SAFETY: ggml-rpc passes its buffer type's endpoint.
-        let ep = unsafe { endpoint(ep) };
-        if let Err(e) = host::claimed(t as usize, &ep, answer) {
+        // SAFETY: ggml-rpc passes its buffer type's endpoint and a valid tensor.
+        let (ep, name) = unsafe { (endpoint(ep), tensor_name(t)) };
+        if let Err(e) = host::claimed(t as usize, &name, &ep, answer) {
             // The loader throws it before reading any weight (a tool ends with it).
             failure::fail_load(&e);
         }

@@ -54,9 +54,16 @@ pub fn on_weight(tensor: PagedTensor, address: usize, endpoint: String, path: Pa
     with(|h| h.weights.insert(address, OnNode { endpoint, tensor, path }));
 }
 
-/// True if the tensor at `address` is a weight paged on a node.
-pub fn is_on_node(address: usize) -> bool {
-    with(|h| h.weights.contains_key(&address))
+/// The weight at `address` named `name`, if it is one paged on a node.
+/// Both must match: a dry run's tensors (common's parameter fitting loads
+/// the model without memory first) are freed, and their addresses reused.
+fn on_node(h: &Host, address: usize, name: &str) -> Option<OnNode> {
+    h.weights.get(&address).filter(|w| w.tensor.name == name).cloned()
+}
+
+/// True if the tensor at `address` named `name` is a weight paged on a node.
+pub fn is_on_node(address: usize, name: &str) -> bool {
+    with(|h| on_node(h, address, name).is_some())
 }
 
 /// What the host claims of one weight for its node.
@@ -67,12 +74,12 @@ pub struct Claim {
     pub sample_hash: u64,
 }
 
-/// What the host claims for the weight at `address` on `endpoint`: its
+/// What the host claims for the weight at `address` (named `name`) on `endpoint`: its
 /// file index, the file's size and header fingerprint, its offset and a
 /// fingerprint of its bytes. None if it is not such a weight. An
 /// unreadable file is a load error.
-pub fn claim(address: usize, endpoint: &str) -> Option<Result<Claim, String>> {
-    let w = with(|h| h.weights.get(&address).cloned())?;
+pub fn claim(address: usize, name: &str, endpoint: &str) -> Option<Result<Claim, String>> {
+    let w = with(|h| on_node(h, address, name))?;
     if w.endpoint != endpoint {
         return None;
     }
@@ -89,10 +96,10 @@ fn bytes(t: &PagedTensor) -> u64 {
     t.ty.row_size(t.ne[0]) as u64 * (t.ne[1] * t.ne[2] * t.ne[3]) as u64
 }
 
-/// The node's answer to the claim on the weight at `address`: Ok if it
+/// The node's answer to the claim on the weight at `address` (named `name`): Ok if it
 /// took it, else the error that fails the load.
-pub fn claimed(address: usize, endpoint: &str, answer: u64) -> Result<(), String> {
-    let Some(w) = with(|h| h.weights.get(&address).cloned()) else { return Ok(()) };
+pub fn claimed(address: usize, name: &str, endpoint: &str, answer: u64) -> Result<(), String> {
+    let Some(w) = with(|h| on_node(h, address, name)) else { return Ok(()) };
     if answer == CLAIMED_BYTES {
         with(|h| h.paging.insert(endpoint.to_string()));
         return Ok(());

@@ -137,6 +137,23 @@ pub fn batch_abandoned() -> bool {
     BATCH_ABORT.state.load(Ordering::Acquire) != IDLE
 }
 
+/// sdq runs in an rpc-server that pages for a host: what cannot be done
+/// for a batch (a budget too small for the arena) fails the host's batch
+/// with the node's error, and the node serves on.
+static NODE: AtomicBool = AtomicBool::new(false);
+
+/// This process is an rpc-server paging for its hosts.
+pub fn serve_as_node() {
+    NODE.store(true, Ordering::Release);
+    allow_batch_abort();
+}
+
+/// True where a batch that cannot be computed fails, not the process: a
+/// host program (`embed`) or an rpc-server node (`serve_as_node`).
+pub fn fails_batches() -> bool {
+    EMBEDDED.load(Ordering::Acquire) || NODE.load(Ordering::Acquire)
+}
+
 /// This process is a host program that loaded sdq's libllama.
 pub fn embed() {
     EMBEDDED.store(true, Ordering::Release);

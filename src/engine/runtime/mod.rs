@@ -394,14 +394,15 @@ impl Runtime {
         // A host's batch already abandoned (its pager could not be created
         // at an earlier layer or by another thread): the rest of it is left
         // out, not planned again.
-        if self.pager.get().is_none() && failure::embedded() && failure::batch_abandoned() {
+        if self.pager.get().is_none() && failure::fails_batches() && failure::batch_abandoned() {
             return None;
         }
         match self.try_pager(top_k) {
             Ok(p) => Some(p),
             // Inside a host program the batch fails (llama_decode returns
-            // non-zero), its experts left out; a tool ends with the error.
-            Err(e) if failure::embedded() => {
+            // non-zero), its experts left out, and so does a host's batch on
+            // an rpc-server node; a tool ends with the error.
+            Err(e) if failure::fails_batches() => {
                 fail_batch(&e.to_string());
                 None
             }
