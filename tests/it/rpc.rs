@@ -134,6 +134,58 @@ fn rpc_server_is_the_drop_in_and_paged_nodes_answer_as_the_same_split() {
     }
 }
 
+/// The host keeps its first layers (`-ngl 4` of 8: layers 0-4 on its CPU)
+/// and pages them as on one machine, the nodes take the rest in an uneven
+/// split (`-ts 3,1`), and a node pages from a model split into parts: the
+/// same text as that split with no budgets.
+#[test]
+fn the_host_pages_its_own_layers_beside_nodes_with_split_files() {
+    let dir = scratch().join("rpc-split");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let o = run(
+        Command::new(bin("sdq"))
+            .arg("gen-model")
+            .args(small_vocab(&["--preset", "tiny", "--seed", "1", "--split-max-size", "12M"]))
+            .arg("-o")
+            .arg(dir.join("tiny.gguf")),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let parts: Vec<PathBuf> = std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().path()).collect();
+    let first = parts.iter().find(|p| p.to_string_lossy().contains("-00001-of-")).unwrap_or_else(|| panic!("no split written: {parts:?}")).clone();
+    assert!(parts.len() >= 2, "one part only: {parts:?}");
+    let split = ["-ts", "3,1"];
+    let stock = {
+        let (a, b) = (Node::start("split-stock-a", None, &[]), Node::start("split-stock-b", None, &[]));
+        let o = complete(&first, &[&a, &b], "4", &split, &[]);
+        assert!(o.status.success(), "{}", stderr(&o));
+        stdout(&o)
+    };
+    let (a, b) = (Node::start("split-a", Some((&first, "1G")), &[]), Node::start("split-b", Some((&first, "1G")), &[]));
+    let host_stats = scratch().join("rpc-split-host.json");
+    let mut extra = split.to_vec();
+    extra.extend(["--ram-budget", "1G", "--sdq-stats", host_stats.to_str().unwrap()]);
+    let o = complete(&first, &[&a, &b], "4", &extra, &[]);
+    assert!(o.status.success(), "{}\n{}\n{}", stderr(&o), a.log(), b.log());
+    assert_eq!(stdout(&o), stock, "the paged split changed the text");
+    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&host_stats).unwrap()).unwrap();
+    let host_layers: Vec<u64> = s["layers"].as_array().unwrap().iter().map(|l| u(l, "layer")).collect();
+    // llama.cpp counts the output as a layer: -ngl 4 offloads layers 5-7 and the output.
+    assert_eq!(host_layers, vec![0, 1, 2, 3, 4], "the host pages its own layers: {s}");
+    assert!(u(&s, "bytes_read") > 0, "{s}");
+    let mut node_layers = Vec::new();
+    for node in [a, b] {
+        let stats = node.stats.clone();
+        let log = node.stop();
+        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap_or_else(|e| panic!("{e}\n{log}"))).unwrap();
+        // With -ts 3,1 one node may hold only the output: it pages nothing.
+        node_layers.extend(s["layers"].as_array().into_iter().flatten().map(|l| u(l, "layer")));
+    }
+    node_layers.sort();
+    assert_eq!(node_layers, vec![5, 6, 7], "the nodes page the offloaded layers");
+}
+
 #[test]
 fn a_node_that_does_not_page_is_a_clear_error_at_load() {
     let model = tiny();
