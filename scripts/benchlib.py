@@ -128,7 +128,7 @@ class RpcNode:
         if self.report and os.path.exists(self.report):
             with open(self.report) as f:
                 report = json.load(f)
-        with open(self.log) as f:
+        with open(self.log, errors="replace") as f:
             return report, f.read()
 
     def read_stats(self):
