@@ -29,8 +29,11 @@ bool sdq_is_paged_tensor(const ggml_tensor * t) {
     if (!h || !h->paged_buft || !t || !t->buffer) {
         return false;
     }
-    return ggml_backend_buffer_get_type(t->buffer) == h->paged_buft ||
-           (h->remote_paged && h->remote_paged(h->user_data, t));
+    ggml_backend_buffer_type_t buft = ggml_backend_buffer_get_type(t->buffer);
+    // Only a weight in an RPC buffer can be paged on its node: every other
+    // tensor (graph builds ask for each weight) never calls into Rust.
+    return buft == h->paged_buft ||
+           (h->remote_paged && sdq_rpc_buft_endpoint(buft) && h->remote_paged(h->user_data, t));
 }
 
 bool sdq_abort_requested(void * data) {
