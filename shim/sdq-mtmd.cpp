@@ -7,7 +7,9 @@
 #include "sdq-hooks.h"
 #include "mtmd.h"
 
-extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total) {
+// Rust calls both functions below: no C++ exception may cross into it, so
+// each fails (returns 1) instead.
+extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t * total) try {
     mtmd_context_params params = mtmd_context_params_default();
     params.use_gpu = false;
     params.n_threads = n_threads;
@@ -22,6 +24,8 @@ extern "C" int sdq_mtmd_memory(const char * mmproj_path, int n_threads, uint64_t
     }
     *total = sum;
     return 0;
+} catch (...) {
+    return 1;
 }
 
 // The compute buffers a context of the text model uses in host memory for
@@ -46,7 +50,7 @@ void capture_compute_buffers(void *, const void *, size_t, size_t one_output) {
 
 } // namespace
 
-extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes) {
+extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx, uint32_t n_batch, uint32_t n_ubatch, uint64_t * bytes) try {
     llama_model_params mp = llama_model_default_params();
     mp.no_alloc = true;
     mp.load_mode = LLAMA_LOAD_MODE_NONE;
@@ -78,4 +82,6 @@ extern "C" int sdq_context_compute_bytes(const char * model_path, uint32_t n_ctx
     llama_model_free(model);
     *bytes = one_output;
     return 0;
+} catch (...) {
+    return 1;
 }

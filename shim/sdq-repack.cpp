@@ -258,15 +258,22 @@ int sdq_buft_layout(ggml_backend_buffer_type_t buft) {
 }
 
 int sdq_repack_kernel(const struct ggml_tensor * weight) {
-    static std::mutex lock;
-    static std::map<std::tuple<int, int64_t, int64_t>, int> known;
-    std::lock_guard<std::mutex> guard(lock);
-    const auto key = std::make_tuple((int) weight->type, weight->ne[0], weight->ne[1]);
-    auto it = known.find(key);
-    if (it == known.end()) {
-        it = known.emplace(key, identify(weight->type, weight->ne[0], weight->ne[1])).first;
+    // Rust calls these functions: no C++ exception may cross into it. A
+    // kernel that cannot be identified (out of memory) is an unknown one:
+    // the weight stays plain, and sdq says so.
+    try {
+        static std::mutex lock;
+        static std::map<std::tuple<int, int64_t, int64_t>, int> known;
+        std::lock_guard<std::mutex> guard(lock);
+        const auto key = std::make_tuple((int) weight->type, weight->ne[0], weight->ne[1]);
+        auto it = known.find(key);
+        if (it == known.end()) {
+            it = known.emplace(key, identify(weight->type, weight->ne[0], weight->ne[1])).first;
+        }
+        return it->second;
+    } catch (...) {
+        return -2;
     }
-    return it->second;
 }
 
 int sdq_repack_fast(int kernel) {
@@ -287,7 +294,11 @@ bool sdq_repack_expert(int kernel, int64_t ne0, int64_t ne1, void * data) {
     const Kernel & K = KERNELS[kernel];
     const size_t row_bytes = ggml_row_size(K.type, ne0);
     thread_local std::vector<uint8_t> scratch;
-    scratch.resize(row_bytes * CHUNK_ROWS);
+    try {
+        scratch.resize(row_bytes * CHUNK_ROWS);
+    } catch (...) {
+        return false;  // no room for the scratch rows: the conversion fails
+    }
     for (int64_t r = 0; r < ne1; r += CHUNK_ROWS) {
         const int64_t n = std::min(CHUNK_ROWS, ne1 - r);
         if (n % K.nb_cols != 0) {

@@ -15,6 +15,9 @@ pub enum Error {
     Format { path: PathBuf, line: usize, message: String },
     /// A value given by the user (flag, preset, size) is not acceptable.
     Invalid(String),
+    /// sdq's own code failed (a panic, caught): a bug, with what it was
+    /// doing and where.
+    Internal(String),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;
@@ -43,7 +46,7 @@ impl fmt::Display for Error {
             Error::Io { context, path, source } => write!(f, "{context} {}: {source}", path.display()),
             Error::Gguf { path, message } => write!(f, "{}: {message}", path.display()),
             Error::Format { path, line, message } => write!(f, "{}:{line}: {message}", path.display()),
-            Error::Invalid(message) => f.write_str(message),
+            Error::Invalid(message) | Error::Internal(message) => f.write_str(message),
         }
     }
 }

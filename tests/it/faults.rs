@@ -120,6 +120,25 @@ fn failed_reads_stop_the_run(model_path: &Path) {
     }
 }
 
+/// A panic in the pager's reading code (`panic@N`: sdq's own bug, as a
+/// user would meet one) ends a tool as a failed read does: exit 1 with one
+/// line naming the read and the panic's place, no panic message or
+/// backtrace hint, and the tokens before it stock's.
+#[test]
+fn a_panic_while_reading_ends_the_tool_with_one_line() {
+    let (stock, budget) = stock_and_tight_budget(tiny(), 32);
+    for n in AT {
+        let o = run(&mut paged(tiny(), 32, &budget, &format!("panic@{n}")), 300);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(1), "panic@{n}: {}\n{err}", o.status);
+        let lines: Vec<&str> = err.lines().filter(|l| l.contains("sdq: error")).collect();
+        assert!(lines.len() == 1 && lines[0].contains(&format!("internal error: injected panic on read {n} (SDQ_FAULT_READ)")), "panic@{n}: {err}");
+        assert!(lines[0].contains("of expert") && lines[0].contains("of layer") && lines[0].contains("src/engine/pager/io.rs"), "panic@{n}: {err}");
+        assert!(!err.contains("panicked") && !err.contains("RUST_BACKTRACE"), "panic@{n}: {err}");
+        assert!(stock.starts_with(&stdout(&o)), "panic@{n}: output is not a prefix of stock's:\n{}", stdout(&o));
+    }
+}
+
 /// A preload read that fails (after its retries) is not remembered as a
 /// broken expert: the batch that needs the expert later reads it again, and
 /// the run gives stock's output.

@@ -173,6 +173,45 @@ fn a_failed_read_fails_its_batch_and_the_server_goes_on() {
     assert!(text.contains("the batch is abandoned") && !text.contains("panicked"), "{text}");
 }
 
+/// A panic in sdq's code inside a request costs that batch, as a failed
+/// read does (issue 49): the pager panics on reads 150 to 154
+/// (`SDQ_FAULT_READ=panic@N`), the requests whose batches meet them get an
+/// HTTP 500 naming the read and the panic, and the server serves the next
+/// requests with stock's text; no panic message reaches its log.
+#[test]
+fn a_panic_fails_its_batch_and_the_server_goes_on() {
+    let model = tiny().to_str().unwrap();
+    let requests: Vec<String> = (0..8).map(|i| format!(r#"{{"prompt":"Request {i} asks about rivers and {i} mountains","n_predict":16,"top_k":1}}"#)).collect();
+    let answers =
+        |port: u16| -> Vec<(u16, String)> { requests.iter().map(|b| http(port, "POST", "/completion", Some(b)).expect("the server answers")).collect() };
+    let (stock_server, port) = start_server(&["-m", model, "--no-warmup"]);
+    let stock = answers(port);
+    drop(stock_server);
+    let plan: Vec<String> = (150..155).map(|n| format!("panic@{n}")).collect();
+    let log = scratch().join("server-panic.log");
+    let (mut server, port) =
+        start_server_logged(&["-m", model, "--no-warmup", "--ram-budget", "1G"], &[("SDQ_FAULT_READ", &plan.join(",")), ("SDQ_PRELOAD", "0")], Some(&log));
+    let paged = answers(port);
+    let failed: Vec<usize> = paged.iter().enumerate().filter(|(_, (code, _))| *code != 200).map(|(i, _)| i).collect();
+    assert!(!failed.is_empty(), "no request failed: no batch met the panicking reads");
+    for &i in &failed {
+        let (code, body) = &paged[i];
+        assert_eq!(*code, 500, "{body}");
+        assert!(body.contains("internal error") && body.contains("injected panic on read") && body.contains("of expert"), "{body}");
+    }
+    assert!(*failed.last().unwrap() + 2 < requests.len(), "requests {failed:?} failed: too few left to show the server goes on");
+    for (i, ((code, body), (_, stock_body))) in paged.iter().zip(&stock).enumerate() {
+        if *code == 200 {
+            let text = |b: &str| serde_json::from_str::<serde_json::Value>(b).unwrap()["content"].as_str().unwrap().to_string();
+            assert_eq!(text(body), text(stock_body), "request {i}: answered unlike stock");
+        }
+    }
+    assert!(server.0.try_wait().unwrap().is_none(), "the server ended");
+    assert!(stop(server).success());
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("the batch is abandoned") && !text.contains("panicked") && !text.contains("RUST_BACKTRACE"), "{text}");
+}
+
 /// A greedy completion (`top_k` 1) of `n` tokens with no prompt cache.
 fn greedy(port: u16, prompt: &str, n: u32) -> String {
     let body = format!(r#"{{"prompt":"{prompt}","n_predict":{n},"top_k":1,"temperature":0,"cache_prompt":false}}"#);

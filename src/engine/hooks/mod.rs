@@ -7,7 +7,7 @@ use crate::engine::ffi::{llama, sys};
 use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor, RoutingRecord};
 use crate::engine::pager::layout::{PagedTensor, Part};
 use crate::engine::runtime;
-use crate::engine::runtime::failure::{self, fatal, guard};
+use crate::engine::runtime::failure::{self, fatal, guard, guard_load, guard_or, During, Fallback};
 use crate::engine::runtime::phases::ContextSize;
 use std::collections::HashMap;
 use std::ffi::{c_char, c_void, CStr};
@@ -80,7 +80,7 @@ extern "C" fn abort_requested(_: *mut c_void) -> bool {
 }
 
 extern "C" fn compute_buffers(_: *mut c_void, ctx: *const c_void, bytes: usize, one_output: usize) {
-    guard("compute_buffers", || {
+    guard_load("compute_buffers", || {
         if let Some(rt) = runtime::get() {
             // SAFETY: the patched llama_context passes itself, its
             // parameters set before it reserves its buffers; llama_n_ctx
@@ -93,6 +93,7 @@ extern "C" fn compute_buffers(_: *mut c_void, ctx: *const c_void, bytes: usize, 
 
 extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, _n_tokens: u32) {
     guard("ubatch_begins", || {
+        moe::forget_left_calls();
         if let Some(rt) = runtime::get() {
             rt.on_ubatch(pos0);
         }
@@ -100,7 +101,7 @@ extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, _n_tokens: u32) {
 }
 
 extern "C" fn group_size(_: *mut c_void, n_ubatches: u32, _n_ubatch: u32) -> u32 {
-    guard("group_size", || runtime::get().map_or(1, |rt| rt.group_size(n_ubatches)))
+    guard_or("group_size", During::Batch, 1, || runtime::get().map_or(1, |rt| rt.group_size(n_ubatches)))
 }
 
 extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32) {
@@ -137,7 +138,7 @@ extern "C" fn experts_ahead(_: *mut c_void, node: *const sys::ggml_tensor) {
 }
 
 extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
-    guard("take_batch_error", || {
+    guard_or("take_batch_error", During::Query, Fallback::fallback(), || {
         let Some(msg) = failure::take_batch_error() else { return false };
         // SAFETY: the caller passes a buffer of len bytes.
         unsafe { write_c_string(&msg, buf, len) };
@@ -146,7 +147,7 @@ extern "C" fn take_batch_error(_: *mut c_void, buf: *mut c_char, len: usize) -> 
 }
 
 extern "C" fn take_load_error(_: *mut c_void, buf: *mut c_char, len: usize) -> bool {
-    guard("take_load_error", || {
+    guard_or("take_load_error", During::Query, Fallback::fallback(), || {
         let Some(msg) = failure::take_load_error() else { return false };
         // SAFETY: the caller passes a buffer of len bytes.
         unsafe { write_c_string(&msg, buf, len) };
@@ -155,7 +156,7 @@ extern "C" fn take_load_error(_: *mut c_void, buf: *mut c_char, len: usize) -> b
 }
 
 extern "C" fn report(_: *mut c_void, kind: i32, buf: *mut c_char, len: usize) -> usize {
-    guard("report", || {
+    guard_or("report", During::Query, Fallback::fallback(), || {
         let Some(kind) = crate::engine::runtime::metrics::Report::from_c(kind) else { return 0 };
         let Some(text) = runtime::get().map(|rt| rt.report(kind)) else { return 0 };
         // SAFETY: the caller passes a buffer of len bytes (or len 0).
@@ -189,7 +190,7 @@ unsafe fn tensor_name(t: *const sys::ggml_tensor) -> String {
 }
 
 extern "C" fn loader_file(_: *mut c_void, idx: u32, path: *const c_char) {
-    guard("loader_file", || {
+    guard_load("loader_file", || {
         // SAFETY: llama.cpp passes the path it opened, NUL-terminated.
         let path = unsafe { CStr::from_ptr(path) };
         let path = PathBuf::from(<std::ffi::OsStr as std::os::unix::ffi::OsStrExt>::from_bytes(path.to_bytes()));
@@ -200,7 +201,7 @@ extern "C" fn loader_file(_: *mut c_void, idx: u32, path: *const c_char) {
 }
 
 extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft: sys::ggml_backend_buffer_type_t) -> std::ffi::c_int {
-    guard("is_paged", || {
+    guard_load("is_paged", || {
         let Some(rt) = runtime::get() else { return sys::SDQ_STOCK as std::ffi::c_int };
         // SAFETY: llama.cpp passes a valid tensor descriptor.
         let (name, meta) = unsafe { (tensor_name(meta), &*meta) };
@@ -228,7 +229,7 @@ extern "C" fn is_paged(_: *mut c_void, meta: *const sys::ggml_tensor, stock_buft
 }
 
 extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32, offs: u64) {
-    guard("paged_weight", || {
+    guard_load("paged_weight", || {
         let Some(rt) = runtime::get() else { return };
         let address = t as usize;
         // SAFETY: llama.cpp passes the tensor it just created.
@@ -257,7 +258,7 @@ extern "C" fn paged_weight(_: *mut c_void, t: *const sys::ggml_tensor, idx: u32,
 }
 
 extern "C" fn resident_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
-    guard("resident_weight", || {
+    guard_load("resident_weight", || {
         let Some(rt) = runtime::get() else { return };
         // SAFETY: llama.cpp passes the tensor it just created; it lives as
         // long as the model.
@@ -267,7 +268,7 @@ extern "C" fn resident_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
 }
 
 extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
-    guard("mapped_weight", || {
+    guard_load("mapped_weight", || {
         let Some(rt) = runtime::get() else { return };
         // SAFETY: llama.cpp passes the tensor it just placed in the mapping.
         let (name, bytes) = unsafe { (tensor_name(t), sys::ggml_nbytes(t) as u64) };
@@ -276,7 +277,7 @@ extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
 }
 
 extern "C" fn model_loaded(_: *mut c_void) {
-    guard("model_loaded", || {
+    guard_load("model_loaded", || {
         if let Some(rt) = runtime::get() {
             rt.on_model_loaded();
         }

@@ -8,7 +8,7 @@ use crate::engine::ffi::sys;
 use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor};
 use crate::engine::pager::layout::Part;
 use crate::engine::rpc::{self, host, node};
-use crate::engine::runtime::failure::{self, fatal, guard};
+use crate::engine::runtime::failure::{self, fatal, guard, guard_load};
 use crate::engine::runtime::{self, phases::ContextSize};
 use std::ffi::{c_char, c_int, c_void, CStr};
 
@@ -39,7 +39,7 @@ pub(super) extern "C" fn remote_paged(_: *mut c_void, t: *const sys::ggml_tensor
 }
 
 pub(super) extern "C" fn rpc_claim(_: *mut c_void, t: *const sys::ggml_tensor, ep: *const c_char, claim: *mut sys::sdq_rpc_claim) -> bool {
-    guard("rpc_claim", || {
+    guard_load("rpc_claim", || {
         // SAFETY: ggml-rpc passes its buffer type's endpoint and a valid tensor.
         let (ep, name) = unsafe { (endpoint(ep), tensor_name(t)) };
         match host::claim(t as usize, &name, &ep) {
@@ -67,7 +67,7 @@ pub(super) extern "C" fn rpc_claim(_: *mut c_void, t: *const sys::ggml_tensor, e
 }
 
 pub(super) extern "C" fn rpc_claimed(_: *mut c_void, t: *const sys::ggml_tensor, ep: *const c_char, answer: u64) -> usize {
-    guard("rpc_claimed", || {
+    guard_load("rpc_claimed", || {
         // SAFETY: ggml-rpc passes its buffer type's endpoint and a valid tensor.
         let (ep, name) = unsafe { (endpoint(ep), tensor_name(t)) };
         if let Err(e) = host::claimed(t as usize, &name, &ep, answer) {

@@ -120,6 +120,17 @@ fn calls() -> &'static Mutex<HashMap<usize, Call>> {
     CALLS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// Forgets the calls a failed graph left (called between graphs, when no op
+/// runs): a thread whose op panicked left its call without counting itself
+/// out, and the next graph's op at the same address must not join it.
+pub fn forget_left_calls() {
+    let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+    if !calls.is_empty() {
+        log::debug!("{} expert op call(s) of a failed graph forgotten", calls.len());
+        calls.clear();
+    }
+}
+
 /// Weight rows multiplied with every use before the next rows: 16 rows of a
 /// 2048-wide Q4_K expert are 18 KiB, which stays in L1.
 const ROW_BLOCK: usize = 16;

@@ -34,6 +34,9 @@ pub enum Fault {
     Short,
     /// The read returns 0 bytes, as at the end of the file.
     Eof,
+    /// The reading code panics (sdq's own bug, as a host program would
+    /// meet it): the read fails with the panic's message.
+    Panic,
 }
 
 /// One planned fault: which reads, which fault, how many tries of each.
@@ -61,7 +64,8 @@ pub struct FaultPlan {
 
 impl FaultPlan {
     /// Parses a comma-separated list: `eio@N`, `eintr@N`, `short@N`, `eof@N`
-    /// (the N-th read, counted from 1), `delay=MS` (every read), or a bare `N`
+    /// (the N-th read, counted from 1), `panic@N` (the reading code panics on
+    /// read N), `delay=MS` (every read), or a bare `N`
     /// (`eio@N`). `eio` and `eof` fail every attempt of read N (a fault that
     /// stays); `eio@N*K` and `eof@N*K` fail its first K attempts only (a
     /// transient fault the retries get past); `eio@N+` fails every read from
@@ -88,7 +92,8 @@ impl FaultPlan {
                 "eintr" => Fault::Eintr,
                 "short" => Fault::Short,
                 "eof" => Fault::Eof,
-                _ => return Err(format!("'{item}': unknown fault '{kind}' (eio, eintr, short, eof, delay=MS)")),
+                "panic" => Fault::Panic,
+                _ => return Err(format!("'{item}': unknown fault '{kind}' (eio, eintr, short, eof, panic, delay=MS)")),
             };
             let persistent = matches!(fault, Fault::Eio | Fault::Eof);
             let (at, onward) = match at.strip_suffix('+') {
@@ -117,7 +122,7 @@ impl FaultPlan {
         }
         let &PlannedFault { fault, times, .. } = self.at.iter().find(|p| p.read == read || p.onward && read >= p.read)?;
         let hits = match fault {
-            Fault::Eintr | Fault::Short => attempt == 0,
+            Fault::Eintr | Fault::Short | Fault::Panic => attempt == 0,
             Fault::Eio | Fault::Eof => times.map_or(true, |k| attempt < k),
         };
         hits.then_some(fault)
@@ -269,6 +274,7 @@ impl ExpertReader {
                     file.read_at(&mut buf[d..d + half], offset + d as u64)
                 }
                 Some(Fault::Eof) => Ok(0),
+                Some(Fault::Panic) => panic!("injected panic on read {n} (SDQ_FAULT_READ)"),
                 None => file.read_at(&mut buf[d..], offset + d as u64),
             };
             match got {

@@ -110,7 +110,7 @@ struct State {
     /// The error of each expert whose last read failed, numbered from
     /// `failures`: the acquire that started the read gets it (its batch
     /// stops); any other use of the expert reads it again.
-    errors: HashMap<ExpertKey, (String, u64)>,
+    errors: HashMap<ExpertKey, ReadFailure>,
     /// Expert reads that failed so far.
     failures: u64,
     /// Batches of misses `prepare` submitted: (bytes, parts left, started), by id.
@@ -130,6 +130,15 @@ struct State {
     filled: Vec<usize>,
     /// Whether reading ahead pays, from the share of prefetches used.
     gate: gate::PrefetchGate,
+}
+
+/// A failed read of an expert, kept for the acquire that waits for it.
+struct ReadFailure {
+    message: String,
+    /// Its number among the pager's failures.
+    number: u64,
+    /// The reading code panicked (see `readers::read_part`).
+    bug: bool,
 }
 
 impl State {
@@ -513,7 +522,11 @@ impl Pager {
             // A read this acquire did not start (an earlier use's, a
             // prefetch, a preload, another thread's) failed: read it again
             // here. Only the failure of this acquire's own read is its answer.
-            st.errors.remove(&key);
+            // A read that panicked (sdq's bug, not the disk's) is not tried
+            // again: every batch that meets it fails, once.
+            if let Some(ReadFailure { message, bug: true, .. }) = st.errors.remove(&key) {
+                return Err(Error::Internal(message));
+            }
             if let Some(slot) = st.res.slot_of(key) {
                 if st.slots[slot].ready {
                     st.slots[slot].pins += 1;
@@ -548,9 +561,9 @@ impl Pager {
                     sh.submit(jobs, Lane::Demand);
                     st = sh.lock();
                     loop {
-                        if let Some((msg, n)) = st.errors.get(&key) {
-                            if *n > seen {
-                                return Err(Error::invalid(msg.clone()));
+                        if let Some(f) = st.errors.get(&key) {
+                            if f.number > seen {
+                                return Err(if f.bug { Error::Internal(f.message.clone()) } else { Error::invalid(f.message.clone()) });
                             }
                         }
                         if st.slots[victim].ready && st.res.key(victim) == Some(key) {

@@ -269,7 +269,9 @@ impl Shared {
         // false): no victim choice takes it and every acquirer of its key
         // waits; each part's region is given to exactly one job.
         let region = unsafe { self.arena.slot_range_mut(job.slot, span.slot_offset..span.slot_offset + len) };
-        let read = match &span.direct {
+        // A panic in the reading code (sdq's bug) is this read's error: the
+        // slot is failed like any other, and the reader thread lives on.
+        let read = match crate::engine::ffi::unwind::catch(|| match &span.direct {
             // The aligned superset: from the 4 KiB boundary below the range.
             Some(direct) => match self.reader.read_direct(direct, region, offset - head as u64, head + span.bytes) {
                 Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
@@ -280,6 +282,17 @@ impl Shared {
                 r => r,
             },
             None => self.reader.read_exact_at(&span.file, region, offset),
+        }) {
+            Ok(read) => read,
+            Err(failure) => {
+                return Err(Error::Internal(format!(
+                    "reading {:?} of expert {} of layer {} (offset {offset}) from {}: {failure}",
+                    span.part,
+                    job.expert,
+                    ll.layer,
+                    span.path.display()
+                )))
+            }
         };
         // The stamp is checked after the read: bytes read from a file that
         // changed meanwhile are never published.
@@ -326,7 +339,8 @@ impl Shared {
             if !st.slots[job.slot].failed {
                 st.failures += 1;
                 let n = st.failures;
-                st.errors.insert(key, (e.to_string(), n));
+                let bug = matches!(e, Error::Internal(_));
+                st.errors.insert(key, super::ReadFailure { message: e.to_string(), number: n, bug });
             }
             st.slots[job.slot].failed = true;
         }

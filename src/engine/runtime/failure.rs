@@ -5,6 +5,8 @@
 //! panic from unwinding into C or C++.
 
 use super::get;
+use crate::engine::ffi::unwind;
+use crate::engine::ffi::unwind::{catch, Failure};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -12,6 +14,12 @@ use std::sync::{Mutex, OnceLock};
 /// asked for). For errors inside ggml's callbacks, where nothing can be
 /// returned: no token is produced after this.
 pub fn fatal(msg: &str) -> ! {
+    // Inside a host program the process is not sdq's to end: the error
+    // unwinds to the guard of the call from C or C++ it happened in, which
+    // fails that call (a load, a batch) and returns.
+    if embedded() && unwind::in_catch() {
+        unwind::raise_fatal(msg);
+    }
     // ggml's threads compute the same node: each may meet the same error
     // (a budget too small, seen by every thread of the first paged layer).
     // The first says it and ends the process; another waits for that end,
@@ -57,6 +65,34 @@ const STOPPING: u8 = 2;
 
 static BATCH_ABORT: BatchAbort = BatchAbort { supported: AtomicBool::new(false), state: AtomicU8::new(IDLE), error: Mutex::new(None) };
 
+/// What failed in this process so far: the exit line says it.
+#[derive(Clone, Debug, Default)]
+pub struct Failed {
+    /// Batches abandoned (a failed read, a budget too small, a panic).
+    pub batches: u64,
+    /// Model loads and context creations that failed (inside a host program).
+    pub loads: u64,
+    /// The first failure's message.
+    pub first: Option<String>,
+}
+
+static FAILED: Mutex<Failed> = Mutex::new(Failed { batches: 0, loads: 0, first: None });
+
+fn record(load: bool, msg: &str) {
+    let mut f = FAILED.lock().unwrap_or_else(|p| p.into_inner());
+    if load {
+        f.loads += 1;
+    } else {
+        f.batches += 1;
+    }
+    f.first.get_or_insert_with(|| msg.to_string());
+}
+
+/// What failed so far.
+pub fn failed() -> Failed {
+    FAILED.lock().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
 /// An expert the batch needs could not be read: the batch is abandoned where
 /// the tool can do that (its outputs are never used: ggml stops the graph
 /// after the current node and the tool drops the batch), else the process
@@ -70,6 +106,7 @@ pub fn fail_batch(msg: &str) {
     // after ggml was told to stop, while they finish the node).
     if BATCH_ABORT.state.compare_exchange(IDLE, REQUESTED, Ordering::AcqRel, Ordering::Acquire).is_ok() {
         say_error(&format!("sdq: error: {msg}; the batch is abandoned"));
+        record(false, msg);
     }
     if first.is_none() {
         *first = Some(msg.to_string());
@@ -86,6 +123,7 @@ pub fn fail_batch_elsewhere(msg: &str) {
     let mut first = BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner());
     if first.is_none() {
         say_error(&format!("sdq: error: {msg}; the batch is abandoned"));
+        record(false, msg);
         *first = Some(msg.to_string());
     }
 }
@@ -108,6 +146,7 @@ pub fn fail_load(msg: &str) {
     let mut e = LOAD_ERROR.lock().unwrap_or_else(|p| p.into_inner());
     if e.is_none() {
         say_error(&format!("sdq: error: {msg}"));
+        record(true, msg);
         *e = Some(msg.to_string());
     }
 }
@@ -187,8 +226,86 @@ pub fn take_batch_error() -> Option<String> {
     BATCH_ABORT.error.lock().unwrap_or_else(|p| p.into_inner()).take()
 }
 
-/// Runs `f` (a callback from C or C++, which nothing may unwind into),
-/// turning a panic into a clean fatal error naming `what`.
-pub fn guard<T>(what: &str, f: impl FnOnce() -> T) -> T {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|_| fatal(&format!("internal error in {what}")))
+/// What a call from C or C++ was doing, which decides where a panic in it
+/// goes (see `guard_or`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum During {
+    /// Loading a model or making its context: the load fails.
+    Load,
+    /// Building or computing a batch's graph: the batch fails.
+    Batch,
+    /// Answering a question (a report, an error message): the answer is
+    /// the fallback, with the error said.
+    Query,
+}
+
+/// What a call from C or C++ returns when sdq's code in it failed (its
+/// error already recorded): nothing, false, 0 or NULL. `guard_or` takes
+/// another where those would mean something else.
+pub trait Fallback {
+    fn fallback() -> Self;
+}
+
+impl Fallback for () {
+    fn fallback() {}
+}
+
+impl Fallback for bool {
+    fn fallback() -> bool {
+        false
+    }
+}
+
+macro_rules! zero_fallback {
+    ($($t:ty),*) => {$(impl Fallback for $t { fn fallback() -> $t { 0 } })*};
+}
+zero_fallback!(i32, u32, i64, u64, usize);
+
+impl<T> Fallback for *mut T {
+    fn fallback() -> *mut T {
+        std::ptr::null_mut()
+    }
+}
+
+impl<T> Fallback for *const T {
+    fn fallback() -> *const T {
+        std::ptr::null()
+    }
+}
+
+/// Runs `f`, a callback from C or C++ computing or building a batch: a
+/// panic in it (or `fatal` inside a host program) fails the batch and the
+/// callback returns the fallback. See `guard_or`.
+pub fn guard<T: Fallback>(what: &str, f: impl FnOnce() -> T) -> T {
+    guard_or(what, During::Batch, T::fallback(), f)
+}
+
+/// As `guard`, for a callback of a model's load or its context's creation:
+/// a panic fails the load.
+pub fn guard_load<T: Fallback>(what: &str, f: impl FnOnce() -> T) -> T {
+    guard_or(what, During::Load, T::fallback(), f)
+}
+
+/// Runs `f` (a callback from C or C++, which nothing may unwind into); a
+/// panic in it becomes the error of what the call was doing (`during`),
+/// named by `what` and the panic's message, and the call returns
+/// `fallback`: a tool ends with the error line (llama-server abandons the
+/// batch and serves on); inside a host program the load or the batch fails
+/// and the program goes on.
+pub fn guard_or<T>(what: &str, during: During, fallback: T, f: impl FnOnce() -> T) -> T {
+    match catch(f) {
+        Ok(v) => v,
+        Err(Failure::Fatal(msg)) => fail(during, &msg, fallback),
+        Err(Failure::Panic(text)) => fail(during, &format!("internal error in {what}: {text}"), fallback),
+    }
+}
+
+fn fail<T>(during: During, msg: &str, fallback: T) -> T {
+    match during {
+        During::Load => fail_load(msg),
+        During::Batch => fail_batch(msg),
+        During::Query if embedded() => say_error(&format!("sdq: error: {msg}")),
+        During::Query => fatal(msg),
+    }
+    fallback
 }

@@ -57,6 +57,8 @@ pub struct Runtime {
     context_size: Mutex<ContextSize>,
     max_swap: AtomicU64,
     finished: AtomicBool,
+    /// Ubatches begun (computed or failed) in every context.
+    ubatches: AtomicU64,
     /// The routing being recorded (`--sdq-trace`).
     trace: Option<Mutex<Recorder>>,
     /// The hot set read at start (`--sdq-hotset`; None for a first run).
@@ -80,6 +82,7 @@ static RUNTIME: OnceLock<Runtime> = OnceLock::new();
 /// error if the trace file cannot be created.
 pub fn install(options: Options) -> Result<&'static Runtime, Error> {
     let budget = options.budget.expect("install() needs a budget");
+    crate::engine::ffi::unwind::install_panic_hook();
     let trace = options.trace_file.as_deref().map(Recorder::create).transpose()?.map(Mutex::new);
     // A malformed hot set stops the run before the model loads, and is left as it is.
     let hotset = match &options.hotset_file {
@@ -99,6 +102,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         context_size: Mutex::new(ContextSize::default()),
         max_swap: AtomicU64::new(0),
         finished: AtomicBool::new(false),
+        ubatches: AtomicU64::new(0),
         trace,
         hotset,
         warm_listed: AtomicU64::new(0),
@@ -355,6 +359,14 @@ impl Runtime {
         if c.map_or(true, |(b, _)| one_output >= b) {
             *c = Some((one_output, rss));
         }
+        drop(c);
+        // A tool says a budget too small at its first batch (today's line);
+        // a host program hears it as the context's creation failing.
+        if failure::embedded() {
+            if let Err(e) = self.check_budget_for_context() {
+                fail_load(&e.to_string());
+            }
+        }
     }
 
     /// Of the compute buffers, what the process does not hold yet with
@@ -536,6 +548,7 @@ impl Runtime {
 
     /// A decode's next ubatch starts at position `pos0` of its sequence.
     pub fn on_ubatch(&self, pos0: i32) {
+        self.ubatches.fetch_add(1, Ordering::Relaxed);
         self.lock_phases().ubatch_begins(pos0);
     }
 

@@ -30,12 +30,52 @@ pub struct ArenaPlan {
 
 impl Runtime {
     pub(super) fn create_pager(&self, top_k: usize) -> Result<(Pager, ArenaPlan), Error> {
+        let (layout, plan) = self.plan_arena(top_k)?;
+        layout.drop_cached();
+        let counts: Vec<usize> = plan.slots.iter().map(|s| s.1).collect();
+        log::info!(
+            "arena {} for {} of routed experts: {}",
+            human(plan.arena_bytes),
+            human(layout.total_expert_bytes()),
+            plan.slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
+        );
+        let readers = self.options.readers.unwrap_or(crate::engine::pager::DEFAULT_READERS);
+        let defaults = crate::engine::pager::io::RetryPolicy::default();
+        let retry = crate::engine::pager::io::RetryPolicy {
+            retries: self.options.read_retries.unwrap_or(defaults.retries),
+            backoff: self.options.read_backoff_ms.map_or(defaults.backoff, std::time::Duration::from_millis),
+        };
+        let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
+        let pages = self.options.pages.unwrap_or_default();
+        let pager =
+            Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), top_k, pages)?;
+        if let Some(why) = pager.arena_fallback() {
+            eprintln!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
+        }
+        if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
+            hot.check_model(path, &geometry(pager.layout()))?;
+            let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
+            let held: Vec<_> = hot.experts.iter().filter(|e| e.held).map(|e| e.key).collect();
+            let n = pager.warm(&counts, &held);
+            self.warm_listed.store(n as u64, Ordering::Relaxed);
+            log::info!("warm start from {}: {n} of its {} experts to read between steps", path.display(), held.len());
+        }
+        if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
+            let n = pager.preload();
+            log::info!("the arena holds every routed expert: reading all {n} in the background");
+        }
+        Ok((pager, plan))
+    }
+
+    /// The arena's plan for the models loaded so far: the experts' layout
+    /// and the slots what the process holds leaves of the budget; an error
+    /// names the minimum budget when it is too small for one layer's top-k.
+    fn plan_arena(&self, top_k: usize) -> Result<(Layout, ArenaPlan), Error> {
         let (tensors, files, mapped) = {
             let r = self.lock_registry();
             (r.tensors.values().cloned().collect::<Vec<_>>(), r.files.clone(), r.mapped_hot_bytes())
         };
         let layout = Layout::build(&tensors, &files, self.options.direct_io.unwrap_or(true))?;
-        layout.drop_cached();
         let rss = ProcMemory::read().rss_anon;
         let projector = self.projector_memory();
         let projector_bytes = projector.as_ref().map_or(0, |p| p.weights + p.compute);
@@ -65,50 +105,49 @@ impl Runtime {
         };
         let arena_bytes = budget::arena_bytes(self.budget, reserve, held, budget::rlimit_data()).map_err(|_| too_small())?;
         let slots = layout.plan_slots(arena_bytes, top_k).map_err(|_| too_small())?;
-        let counts: Vec<usize> = slots.iter().map(|s| s.1).collect();
         let plan = ArenaPlan {
             reserve,
             rss_anon_at_start: rss,
             compute_untouched: compute,
             mapped_weight_bytes: mapped,
             arena_bytes,
-            slots: slots.clone(),
+            slots,
             top_k,
             load_seconds: self.started.elapsed().as_secs_f64(),
             projector,
         };
-        log::info!(
-            "arena {} for {} of routed experts: {}",
-            human(arena_bytes),
-            human(layout.total_expert_bytes()),
-            slots.iter().map(|(b, n)| format!("{n} slots of {}", human(*b as u64))).collect::<Vec<_>>().join(", ")
-        );
-        let readers = self.options.readers.unwrap_or(crate::engine::pager::DEFAULT_READERS);
-        let defaults = crate::engine::pager::io::RetryPolicy::default();
-        let retry = crate::engine::pager::io::RetryPolicy {
-            retries: self.options.read_retries.unwrap_or(defaults.retries),
-            backoff: self.options.read_backoff_ms.map_or(defaults.backoff, std::time::Duration::from_millis),
+        Ok((layout, plan))
+    }
+
+    /// Inside a host program, a context is made only if the budget holds
+    /// the arena's minimum beside the model and this context: the program
+    /// hears it where it can act on it (`llama_init_from_model` returns
+    /// NULL), not at its first batch. Nothing is planned for good here: the
+    /// arena is planned at the first batch, once every model is loaded.
+    pub(super) fn check_budget_for_context(&self) -> Result<(), Error> {
+        if self.pager.get().is_some() {
+            return Ok(());
+        }
+        let Some(top_k) = self.loading_top_k()? else { return Ok(()) };
+        if self.lock_registry().tensors.is_empty() {
+            return Ok(());
+        }
+        self.plan_arena(top_k).map(|_| ())
+    }
+
+    /// The experts a token uses per layer in the model loading now (its
+    /// GGUF metadata), or None without one or without routed experts.
+    fn loading_top_k(&self) -> Result<Option<usize>, Error> {
+        let path = {
+            let r = self.lock_registry();
+            if r.models.is_empty() {
+                return Ok(None);
+            }
+            r.loading().path.clone()
         };
-        let reader = ExpertReader::new(self.options.faults.clone()).with_retries(retry);
-        let pages = self.options.pages.unwrap_or_default();
-        let pager =
-            Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), top_k, pages)?;
-        if let Some(why) = pager.arena_fallback() {
-            eprintln!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
-        }
-        if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
-            hot.check_model(path, &geometry(pager.layout()))?;
-            let counts: Vec<_> = hot.experts.iter().filter(|e| e.count > 0.0).map(|e| (e.key, e.count)).collect();
-            let held: Vec<_> = hot.experts.iter().filter(|e| e.held).map(|e| e.key).collect();
-            let n = pager.warm(&counts, &held);
-            self.warm_listed.store(n as u64, Ordering::Relaxed);
-            log::info!("warm start from {}: {n} of its {} experts to read between steps", path.display(), held.len());
-        }
-        if self.options.preload.unwrap_or(true) && pager.holds_every_expert() {
-            let n = pager.preload();
-            log::info!("the arena holds every routed expert: reading all {n} in the background");
-        }
-        Ok((pager, plan))
+        let g = crate::engine::model::gguf::Gguf::open(&path)?;
+        let Some(crate::engine::model::gguf::Value::Str(arch)) = g.get("general.architecture") else { return Ok(None) };
+        Ok(g.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).map(|k| k as usize))
     }
 
     /// The memory of the projector the tool loads (`--mmproj`): its weights

@@ -39,7 +39,11 @@ impl Runtime {
             eprintln!("{line}");
         }
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
-        if self.pager.get().is_none() && peak > self.budget {
+        // Over the budget with nothing paged, though batches ran and none
+        // failed: the model's graph never used its experts.
+        let failed = super::failure::failed();
+        let computed = self.ubatches.load(Ordering::Relaxed) > 0 && failed.batches == 0 && failed.loads == 0;
+        if self.pager.get().is_none() && peak > self.budget && computed {
             eprintln!(
                 "sdq: error: RAM budget {} was not honoured: the process held {} of anonymous memory, and no routed expert was paged (the model's graph uses none of its expert tensors), so nothing could be kept out of memory; the budget must be at least {}",
                 human(self.budget),
@@ -92,17 +96,26 @@ impl Runtime {
             let nodes: Vec<String> = r.on_nodes.iter().map(|(e, (a, b))| format!("layers {a}-{b} on {e}")).collect();
             (!nodes.is_empty()).then(|| format!(" | experts paged on rpc nodes: {}", nodes.join(", ")))
         };
+        let failed = super::failure::failed();
+        let first = failed.first.as_deref().unwrap_or_default();
         let line = match self.pager.get() {
-            None if self.lock_registry().models.is_empty() => return None,
+            None if self.lock_registry().models.is_empty() && failed.loads == 0 => return None,
             None if on_nodes.is_some() => {
                 format!("sdq: no routed experts were paged here; peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
             }
-            None => format!(
-                "sdq: no routed experts were paged (the model has none, or none were used); peak anonymous RSS {} of {} budget, swap {}",
-                human(peak),
-                human(self.budget),
-                human(swap)
-            ),
+            None => {
+                // What kept the experts out, said after the run's errors.
+                let why = if failed.batches > 0 {
+                    format!("{} failed before any was read: {first}", count(failed.batches, "batch", "batches"))
+                } else if failed.loads > 0 {
+                    format!("{} failed: {first}", count(failed.loads, "model load or context", "model loads or contexts"))
+                } else if self.ubatches.load(Ordering::Relaxed) == 0 {
+                    "nothing was decoded".to_string()
+                } else {
+                    "the model has none, or none were used".to_string()
+                };
+                format!("sdq: no routed experts were paged ({why}); peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
+            }
             Some((pager, _)) => {
                 let t = pager.totals();
                 let (prompt, decode) = self.phase_totals();
@@ -114,7 +127,10 @@ impl Runtime {
                     human(peak),
                     human(self.budget),
                     human(swap)
-                )
+                ) + &match failed.batches {
+                    0 => String::new(),
+                    n => format!(" | {} failed", count(n, "batch", "batches")),
+                }
             }
         };
         Some(line + on_nodes.as_deref().unwrap_or(""))
@@ -292,4 +308,9 @@ impl Runtime {
         }
         v
     }
+}
+
+/// "1 batch", "3 batches".
+fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
