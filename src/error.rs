@@ -13,7 +13,21 @@ pub enum Error {
     Gguf { path: PathBuf, message: String },
     /// A text file sdq reads (a routing trace, a hot set) is malformed at `line`.
     Format { path: PathBuf, line: usize, message: String },
-    /// A value given by the user (flag, preset, size) is not acceptable.
+    /// A flag or an environment variable (`name`) has a value sdq cannot use.
+    Flag { name: String, message: String },
+    /// The RAM budget cannot hold what it must (or is beyond this
+    /// machine's RAM); `minimum` is the least that would do, where known.
+    Budget { budget: u64, minimum: Option<u64>, message: String },
+    /// A model's tensors are not what sdq can page (a type the CPU cannot
+    /// multiply, a geometry the arena cannot plan for).
+    Model(String),
+    /// An expert could not be read from its file (after the retries): the
+    /// batch that needed it stops.
+    Read(String),
+    /// The system refused memory or a thread.
+    Resource(String),
+    /// Anything else a caller does not tell apart: a value, a command's
+    /// state.
     Invalid(String),
     /// sdq's own code failed (a panic, caught): a bug, with what it was
     /// doing and where.
@@ -38,6 +52,22 @@ impl Error {
     pub fn invalid(message: impl Into<String>) -> Error {
         Error::Invalid(message.into())
     }
+
+    pub fn flag(name: impl Into<String>, message: impl Into<String>) -> Error {
+        Error::Flag { name: name.into(), message: message.into() }
+    }
+
+    pub fn budget(budget: u64, minimum: Option<u64>, message: impl Into<String>) -> Error {
+        Error::Budget { budget, minimum, message: message.into() }
+    }
+
+    pub fn model(message: impl Into<String>) -> Error {
+        Error::Model(message.into())
+    }
+
+    pub fn resource(message: impl Into<String>) -> Error {
+        Error::Resource(message.into())
+    }
 }
 
 impl fmt::Display for Error {
@@ -46,7 +76,10 @@ impl fmt::Display for Error {
             Error::Io { context, path, source } => write!(f, "{context} {}: {source}", path.display()),
             Error::Gguf { path, message } => write!(f, "{}: {message}", path.display()),
             Error::Format { path, line, message } => write!(f, "{}:{line}: {message}", path.display()),
-            Error::Invalid(message) | Error::Internal(message) => f.write_str(message),
+            Error::Flag { message, .. } | Error::Budget { message, .. } => f.write_str(message),
+            Error::Model(message) | Error::Read(message) | Error::Resource(message) | Error::Invalid(message) | Error::Internal(message) => {
+                f.write_str(message)
+            }
         }
     }
 }

@@ -67,14 +67,14 @@ fn bench_disk(a: BenchDiskArgs) -> sdq::Result<()> {
     let sizes = a
         .sizes
         .iter()
-        .map(|s| sdq::engine::memory::budget::parse_size(s).map(|n| n as usize).map_err(|e| sdq::Error::invalid(format!("--sizes: {e}"))))
+        .map(|s| sdq::engine::memory::budget::parse_size(s).map(|n| n as usize).map_err(|e| sdq::Error::flag("--sizes", format!("--sizes: {e}"))))
         .collect::<sdq::Result<Vec<_>>>()?;
     for m in &a.modes {
         let mode = match m.as_str() {
             "buffered" => Mode::Buffered,
             "direct" => Mode::Direct,
             "sequential" => Mode::Sequential,
-            other => return Err(sdq::Error::invalid(format!("--modes: unknown mode '{other}' (buffered, direct, sequential)"))),
+            other => return Err(sdq::Error::flag("--modes", format!("--modes: unknown mode '{other}' (buffered, direct, sequential)"))),
         };
         let depths: &[usize] = if mode == Mode::Sequential { &[1] } else { &a.depths };
         for &size in &sizes {
@@ -115,10 +115,10 @@ struct LimitArgs {
 }
 
 fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
-    let bytes = sdq::engine::memory::budget::parse_size(&a.memory).map_err(|e| sdq::Error::invalid(format!("--memory: {e}")))?;
+    let bytes = sdq::engine::memory::budget::parse_size(&a.memory).map_err(|e| sdq::Error::flag("--memory", format!("--memory: {e}")))?;
     if let Some(pid) = a.pid {
         if !(0.0..=3600.0).contains(&a.wait) {
-            return Err(sdq::Error::invalid(format!("--wait: {} is not 0 to 3600 seconds", a.wait)));
+            return Err(sdq::Error::flag("--wait", format!("--wait: {} is not 0 to 3600 seconds", a.wait)));
         }
         let r = sdq::commands::limit::change_limit(pid, bytes, std::time::Duration::from_secs_f64(a.wait))?;
         let text = serde_json::to_string_pretty(&r).expect("serialize");
@@ -128,8 +128,11 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let read_rate =
-        a.read_rate.as_deref().map(|r| sdq::engine::memory::budget::parse_size(r).map_err(|e| sdq::Error::invalid(format!("--read-rate: {e}")))).transpose()?;
+    let read_rate = a
+        .read_rate
+        .as_deref()
+        .map(|r| sdq::engine::memory::budget::parse_size(r).map_err(|e| sdq::Error::flag("--read-rate", format!("--read-rate: {e}"))))
+        .transpose()?;
     let r = sdq::commands::limit::run_limited(bytes, read_rate, &a.command)?;
     let text = serde_json::to_string_pretty(&r).expect("serialize");
     match &a.report {
@@ -182,28 +185,31 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
         if p.trim().eq_ignore_ascii_case("all") {
             policies.extend(PolicyKind::ALL);
         } else {
-            policies.push(PolicyKind::parse(p).map_err(|e| sdq::Error::invalid(format!("--policy: {e}")))?);
+            policies.push(PolicyKind::parse(p).map_err(|e| sdq::Error::flag("--policy", format!("--policy: {e}")))?);
         }
     }
     policies.dedup();
     let mut sizes = a
         .ram_budget
         .iter()
-        .map(|s| sdq::engine::memory::budget::parse_size(s).map_err(|e| sdq::Error::invalid(format!("--ram-budget: {e}"))))
+        .map(|s| sdq::engine::memory::budget::parse_size(s).map_err(|e| sdq::Error::flag("--ram-budget", format!("--ram-budget: {e}"))))
         .collect::<sdq::Result<Vec<u64>>>()?;
     for &c in &a.cycles {
         if !(c.is_finite() && c > 0.0 && c < 1e6) {
-            return Err(sdq::Error::invalid(format!("--cycles: '{c}' is not a positive multiple")));
+            return Err(sdq::Error::flag("--cycles", format!("--cycles: '{c}' is not a positive multiple")));
         }
         sizes.push((c * sdq::commands::replay::token_cycle(&trace) as f64) as u64);
     }
     sizes.sort_unstable();
     sizes.dedup();
     if a.judged_from > 0 && !trace.batches.iter().any(|b| b.step >= a.judged_from) {
-        return Err(sdq::Error::invalid(format!("--judged-from {}: the trace's last step is {}", a.judged_from, trace.batches.last().map_or(0, |b| b.step))));
+        return Err(sdq::Error::flag(
+            "--judged-from",
+            format!("--judged-from {}: the trace's last step is {}", a.judged_from, trace.batches.last().map_or(0, |b| b.step)),
+        ));
     }
     if !(0.0..=1.0).contains(&a.told_recall) {
-        return Err(sdq::Error::invalid(format!("--told-recall: '{}' is not between 0 and 1", a.told_recall)));
+        return Err(sdq::Error::flag("--told-recall", format!("--told-recall: '{}' is not between 0 and 1", a.told_recall)));
     }
     let told: Vec<sdq::commands::replay::ToldAhead> =
         a.told_ahead.iter().map(|&batches| sdq::commands::replay::ToldAhead { batches, recall: a.told_recall }).collect();
@@ -262,10 +268,10 @@ struct InspectArgs {
 
 fn inspect(a: InspectArgs, opts: &sdq::engine::runtime::options::Options) -> sdq::Result<()> {
     if a.trace.is_some() && opts.budget.is_none() {
-        return Err(sdq::Error::invalid("--trace predicts for an arena: give --ram-budget too"));
+        return Err(sdq::Error::flag("--trace", "--trace predicts for an arena: give --ram-budget too"));
     }
     if let Some(r) = a.read_rate.filter(|r| !(r.is_finite() && *r > 0.0)) {
-        return Err(sdq::Error::invalid(format!("--read-rate: '{r}' is not a positive MiB/s")));
+        return Err(sdq::Error::flag("--read-rate", format!("--read-rate: '{r}' is not a positive MiB/s")));
     }
     let plan = sdq::commands::inspect::RunPlan {
         budget: opts.budget,
@@ -309,7 +315,7 @@ fn demo(a: DemoArgs) -> sdq::Result<()> {
     if let Some(m) = a.model {
         o.model = m;
     }
-    o.budget = sdq::engine::memory::budget::parse_size(&a.budget).map_err(|e| sdq::Error::invalid(format!("--budget: {e}")))?;
+    o.budget = sdq::engine::memory::budget::parse_size(&a.budget).map_err(|e| sdq::Error::flag("--budget", format!("--budget: {e}")))?;
     o.n_predict = a.n_predict;
     if let Some(p) = a.prompt {
         o.prompt = p;
@@ -498,7 +504,10 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     if let Some(arch) = &a.arch {
         let arch = Arch::from_name(arch)?;
         if ModelSpec::preset_is_a_model(&a.preset) && arch != spec.arch {
-            return Err(sdq::Error::invalid(format!("--arch {} conflicts with --preset {}, which is a {} model", arch.name(), a.preset, spec.arch.name())));
+            return Err(sdq::Error::flag(
+                "--arch",
+                format!("--arch {} conflicts with --preset {}, which is a {} model", arch.name(), a.preset, spec.arch.name()),
+            ));
         }
         if arch != spec.arch {
             spec.set_arch(arch);
@@ -528,7 +537,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     match a.routing.as_str() {
         "skewed" => {}
         "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.trained_routing(),
-        other => return Err(sdq::Error::invalid(format!("--routing '{other}' is not skewed or trained"))),
+        other => return Err(sdq::Error::flag("--routing", format!("--routing '{other}' is not skewed or trained"))),
     }
     if let Some(s) = a.router_skew {
         spec.router_skew = s;
@@ -543,8 +552,10 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         spec.carry = c;
     }
     if let Some(t) = &a.expert_type {
-        spec.expert_type =
-            Some(sdq::engine::ffi::ggml::GgmlType::from_name(t).ok_or_else(|| sdq::Error::invalid(format!("unknown ggml type '{t}' for --expert-type")))?);
+        spec.expert_type = Some(
+            sdq::engine::ffi::ggml::GgmlType::from_name(t)
+                .ok_or_else(|| sdq::Error::flag("--expert-type", format!("unknown ggml type '{t}' for --expert-type")))?,
+        );
     }
     let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let vocab_file = a.vocab_file.unwrap_or_else(|| genmodel::vocab_file_for(spec.n_vocab));
@@ -558,7 +569,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     }
     let split_max_bytes = match &a.split_max_size {
         Some(s) => match sdq::engine::memory::budget::parse_size(s) {
-            Ok(0) | Err(_) => return Err(sdq::Error::invalid(format!("--split-max-size: '{s}' is not a size (e.g. 50G, 4000M)"))),
+            Ok(0) | Err(_) => return Err(sdq::Error::flag("--split-max-size", format!("--split-max-size: '{s}' is not a size (e.g. 50G, 4000M)"))),
             Ok(n) => Some(n),
         },
         None => None,
@@ -566,7 +577,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
     // Before the model is written, not after.
     genmodel::lora::check_rank(a.lora_rank)?;
     if split_max_bytes.is_some() && a.mmproj.is_some() {
-        return Err(sdq::Error::invalid("--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
+        return Err(sdq::Error::flag("--split-max-size", "--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
     }
     let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some(), split_max_bytes };
     let size = a.mmproj_size.as_deref().unwrap_or(genmodel::Projector::default_for(&opts.preset));

@@ -228,7 +228,7 @@ pub fn run_limited(limit: u64, read_rate: Option<u64>, argv: &[String]) -> Resul
     if let Some(cap) = read_cap.as_ref().filter(|c| c.dir.is_none()) {
         match &cgroup {
             Some(cg) => cap.set_v2(&cg.dir)?,
-            None => return Err(Error::invalid(format!("--read-rate: cgroup v2 caps reads on the memory cgroup, and none was made ({mode})"))),
+            None => return Err(Error::flag("--read-rate", format!("--read-rate: cgroup v2 caps reads on the memory cgroup, and none was made ({mode})"))),
         }
     }
     let joins: Vec<&Path> = cgroup.iter().map(|cg| cg.dir.as_path()).chain(read_cap.iter().filter_map(|r| r.dir.as_deref())).collect();
@@ -301,7 +301,7 @@ impl ReadCap {
     fn create(rate: u64) -> Result<ReadCap> {
         let devices = whole_disks();
         if devices.is_empty() {
-            return Err(Error::invalid("--read-rate: no disk in /sys/block to cap"));
+            return Err(Error::flag("--read-rate", "--read-rate: no disk in /sys/block to cap"));
         }
         if Path::new("/sys/fs/cgroup/cgroup.controllers").is_file() {
             // v2: the rules go on the memory cgroup once it exists (set_v2).
@@ -310,7 +310,7 @@ impl ReadCap {
         let text = fs::read_to_string("/proc/self/cgroup").map_err(|e| Error::io("cannot read", Path::new("/proc/self/cgroup"), e))?;
         let parent = v1_cgroup_in(&text, "blkio")
             .filter(|p| p.join("blkio.throttle.read_bps_device").exists())
-            .ok_or_else(|| Error::invalid("--read-rate: no blkio cgroup with blkio.throttle.read_bps_device in /proc/self/cgroup"))?;
+            .ok_or_else(|| Error::flag("--read-rate", "--read-rate: no blkio cgroup with blkio.throttle.read_bps_device in /proc/self/cgroup"))?;
         let dir = parent.join(format!("sdq-limit-{}", std::process::id()));
         fs::create_dir(&dir).map_err(|e| Error::io("--read-rate: cannot create", &dir, e))?;
         let cap = ReadCap { dir: Some(dir.clone()), rate, devices };

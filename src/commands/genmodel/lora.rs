@@ -20,7 +20,7 @@ pub fn check_rank(rank: i64) -> Result<()> {
     if (1..=256).contains(&rank) {
         Ok(())
     } else {
-        Err(Error::invalid(format!("--lora-rank {rank} is outside 1..=256")))
+        Err(Error::flag("--lora-rank", format!("--lora-rank {rank} is outside 1..=256")))
     }
 }
 

@@ -107,7 +107,8 @@ fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], builder: GgufBuilder, op
     let start = Instant::now();
     let ranges = split_ranges(plan, opts.split_max_bytes);
     let n_parts = ranges.len();
-    let count = u16::try_from(n_parts).map_err(|_| Error::invalid(format!("--split-max-size makes {n_parts} parts, more than a split can count (65,535)")))?;
+    let count = u16::try_from(n_parts)
+        .map_err(|_| Error::flag("--split-max-size", format!("--split-max-size makes {n_parts} parts, more than a split can count (65,535)")))?;
     let mut first = Some(builder);
     let mut parts = Vec::with_capacity(n_parts);
     for (i, range) in ranges.into_iter().enumerate() {

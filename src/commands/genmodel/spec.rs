@@ -271,7 +271,7 @@ impl Arch {
     pub fn from_name(s: &str) -> Result<Arch> {
         FAMILIES.iter().find(|f| f.name == s).map(|f| f.arch).ok_or_else(|| {
             let known: Vec<&str> = FAMILIES.iter().map(|f| f.name).collect();
-            Error::invalid(format!("unknown architecture '{s}' (known: {})", known.join(", ")))
+            Error::flag("--arch", format!("unknown architecture '{s}' (known: {})", known.join(", ")))
         })
     }
 }
@@ -529,7 +529,7 @@ impl ModelSpec {
                     ..s
                 })
             }
-            other => Err(Error::invalid(format!("unknown preset '{other}' (known: {})", PRESETS.join(", ")))),
+            other => Err(Error::flag("--preset", format!("unknown preset '{other}' (known: {})", PRESETS.join(", ")))),
         }
     }
 

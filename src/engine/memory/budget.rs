@@ -122,11 +122,11 @@ pub fn mem_available() -> Option<u64> {
 /// `MemTotal` is allowed, for budgets written in round numbers.
 pub fn check_against_ram(budget: u64) -> Result<()> {
     match meminfo("MemTotal") {
-        Some(total) if budget > total + total / 4 => Err(Error::invalid(format!(
-            "--ram-budget {} is more than this machine's {} of RAM; sdq never swaps, so it could not be honoured",
-            human(budget),
-            human(total)
-        ))),
+        Some(total) if budget > total + total / 4 => Err(Error::budget(
+            budget,
+            None,
+            format!("--ram-budget {} is more than this machine's {} of RAM; sdq never swaps, so it could not be honoured", human(budget), human(total)),
+        )),
         _ => Ok(()),
     }
 }
@@ -163,13 +163,17 @@ pub struct Held {
 pub fn arena_bytes(budget: u64, reserve: u64, held: Held, rlimit: Option<u64>) -> Result<u64> {
     let used = held.anon.saturating_add(held.mapped).saturating_add(reserve);
     if used >= budget {
-        return Err(Error::invalid(format!(
-            "RAM budget {} leaves nothing for experts: the process already holds {} anonymous memory and {} of mapped weights, and the reserve is {}",
-            human(budget),
-            human(held.anon),
-            human(held.mapped),
-            human(reserve)
-        )));
+        return Err(Error::budget(
+            budget,
+            None,
+            format!(
+                "RAM budget {} leaves nothing for experts: the process already holds {} anonymous memory and {} of mapped weights, and the reserve is {}",
+                human(budget),
+                human(held.anon),
+                human(held.mapped),
+                human(reserve)
+            ),
+        ));
     }
     let mut arena = budget - used;
     if let Some(limit) = rlimit {
@@ -250,6 +254,7 @@ mod tests {
         assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, None).unwrap(), 6 * GIB - 512 * MIB);
         // RLIMIT_DATA counts anonymous memory only: mapped weights do not eat into it.
         assert_eq!(arena_bytes(8 * GIB, 512 * MIB, held, Some(3 * GIB)).unwrap(), 2 * GIB);
+        assert!(matches!(arena_bytes(2 * GIB, 512 * MIB, held, None), Err(Error::Budget { budget, minimum: None, .. }) if budget == 2 * GIB));
         let e = arena_bytes(2 * GIB, 512 * MIB, held, None).unwrap_err().to_string();
         assert!(e.contains("1.00 GiB") && e.contains("512.0 MiB"), "{e}");
     }

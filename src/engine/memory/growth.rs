@@ -52,7 +52,7 @@ fn flag_value(args: &[String], names: &[&str], env: &str, getenv: &dyn Fn(&str) 
     let found = found.or_else(|| getenv(env).filter(|v| !v.is_empty()).map(|v| (env.to_string(), v)));
     match found {
         None => Ok(None),
-        Some((name, v)) => v.trim().parse::<i64>().map(Some).map_err(|_| Error::invalid(format!("{name}: '{v}' is not a whole number"))),
+        Some((name, v)) => v.trim().parse::<i64>().map(Some).map_err(|_| Error::flag(name.clone(), format!("{name}: '{v}' is not a whole number"))),
     }
 }
 

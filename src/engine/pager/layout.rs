@@ -187,7 +187,7 @@ impl Layout {
             let parts_present: Vec<Part> = ts.iter().map(|t| t.part).collect();
             let complete = matches!(parts_present.as_slice(), [Part::Gate, Part::Up, Part::Down] | [Part::GateUp, Part::Down]);
             if !complete {
-                return Err(Error::invalid(format!("layer {layer}: paged expert tensors {parts_present:?} are not gate+up+down or gate_up+down")));
+                return Err(Error::model(format!("layer {layer}: paged expert tensors {parts_present:?} are not gate+up+down or gate_up+down")));
             }
             let n_expert = ts[0].ne[2];
             let mut parts = Vec::new();
@@ -209,7 +209,7 @@ impl Layout {
                 }
                 if let WeightLayout::Repacked(r) = t.layout {
                     if r.expert_bytes() != bytes {
-                        return Err(Error::invalid(format!("tensor {}: {} experts are {} bytes, {bytes} in the file", t.name, r.name(), r.expert_bytes())));
+                        return Err(Error::model(format!("tensor {}: {} experts are {} bytes, {bytes} in the file", t.name, r.name(), r.expert_bytes())));
                     }
                 }
                 let span =
@@ -264,7 +264,7 @@ impl Layout {
         let layers = self.layers_per_class();
         let n_expert = self.layers.values().map(|l| l.n_expert as usize).max().unwrap_or(0);
         if top_k == 0 || top_k > n_expert {
-            return Err(Error::invalid(format!("top-{top_k} of {n_expert} experts: nothing to plan slots for")));
+            return Err(Error::model(format!("top-{top_k} of {n_expert} experts: nothing to plan slots for")));
         }
         let min = self.min_arena_bytes(top_k);
         if arena_bytes < min {

@@ -273,7 +273,7 @@ impl Pager {
         assert_eq!(slots.len(), layout.class_bytes.len(), "one slot count per class");
         let classes: Vec<(usize, usize)> = layout.class_bytes.iter().copied().zip(slots.iter().copied()).collect();
         let arena = Arena::with_pages(&classes, pages)
-            .map_err(|e| Error::invalid(format!("cannot map an expert arena of {} slots: {e}", slots.iter().sum::<usize>())))?;
+            .map_err(|e| Error::resource(format!("cannot map an expert arena of {} slots: {e}", slots.iter().sum::<usize>())))?;
         let n = arena.n_slots();
         let state = State {
             slots: vec![Slot::default(); n],
@@ -309,7 +309,7 @@ impl Pager {
                 std::thread::Builder::new()
                     .name(format!("sdq-reader-{i}"))
                     .spawn(move || shared.read_jobs())
-                    .map_err(|e| Error::invalid(format!("cannot start reader thread {i}: {e}")))
+                    .map_err(|e| Error::resource(format!("cannot start reader thread {i}: {e}")))
             })
             .collect::<Result<Vec<_>>>()?;
         match populate {
@@ -324,7 +324,7 @@ impl Pager {
                 let t = std::thread::Builder::new()
                     .name("sdq-populate".into())
                     .spawn(move || s.populate_idle(window))
-                    .map_err(|e| Error::invalid(format!("cannot start the populate thread: {e}")))?;
+                    .map_err(|e| Error::resource(format!("cannot start the populate thread: {e}")))?;
                 readers.push(t);
             }
         }
@@ -563,7 +563,7 @@ impl Pager {
                     loop {
                         if let Some(f) = st.errors.get(&key) {
                             if f.number > seen {
-                                return Err(if f.bug { Error::Internal(f.message.clone()) } else { Error::invalid(f.message.clone()) });
+                                return Err(if f.bug { Error::Internal(f.message.clone()) } else { Error::Read(f.message.clone()) });
                             }
                         }
                         if st.slots[victim].ready && st.res.key(victim) == Some(key) {

@@ -306,7 +306,7 @@ impl Shared {
             self.converted.fetch_add(1, Ordering::Relaxed);
             self.convert_ns.fetch_add(crate::engine::memory::budget::thread_cpu_ns().saturating_sub(started), Ordering::Relaxed);
             if !converted {
-                return Err(Error::invalid(format!(
+                return Err(Error::model(format!(
                     "{}: ggml refused to convert {:?} of expert {} of layer {} to {}",
                     span.path.display(),
                     span.part,

@@ -222,7 +222,7 @@ impl Runtime {
             return Ok(false);
         }
         if DotKernels::for_type(ty).is_none() {
-            return Err(Error::invalid(format!("tensor {name} has type {}, which ggml's CPU backend cannot multiply; sdq cannot page it", ty.name())));
+            return Err(Error::model(format!("tensor {name} has type {}, which ggml's CPU backend cannot multiply; sdq cannot page it", ty.name())));
         }
         let mut r = self.lock_registry();
         let name = renumbered(name, r.loading().layer_base);

@@ -99,11 +99,11 @@ SDQ_HUGEPAGES=auto|0|hugetlb  the arena on 2 MiB transparent huge pages where th
 ";
 
 fn policy_of(flag: &str, value: &str) -> Result<crate::engine::pager::PolicyKind> {
-    crate::engine::pager::PolicyKind::parse(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
+    crate::engine::pager::PolicyKind::parse(value).map_err(|e| Error::flag(flag, format!("{flag}: {e}")))
 }
 
 fn size_of(flag: &str, value: &str) -> Result<u64> {
-    parse_size(value).map_err(|e| Error::invalid(format!("{flag}: {e}")))
+    parse_size(value).map_err(|e| Error::flag(flag, format!("{flag}: {e}")))
 }
 
 fn is_auto(value: &str) -> bool {
@@ -114,7 +114,7 @@ fn is_auto(value: &str) -> bool {
 fn budget_of(flag: &str, value: &str) -> Result<u64> {
     if is_auto(value) {
         let (bytes, source) = crate::engine::memory::budget::auto_budget()
-            .ok_or_else(|| Error::invalid(format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
+            .ok_or_else(|| Error::flag(flag, format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
         eprintln!("sdq: {flag} auto = {} ({source})", crate::engine::memory::budget::human(bytes));
         return Ok(bytes);
     }
@@ -128,7 +128,7 @@ fn switch(env: &impl Fn(&str) -> Option<String>, name: &str) -> Result<Option<bo
         Some(v) => match v.trim() {
             "1" | "on" | "true" => Ok(Some(true)),
             "0" | "off" | "false" => Ok(Some(false)),
-            _ => Err(Error::invalid(format!("{name}: '{v}' is not 0 or 1"))),
+            _ => Err(Error::flag(name, format!("{name}: '{v}' is not 0 or 1"))),
         },
     }
 }
@@ -136,7 +136,7 @@ fn switch(env: &impl Fn(&str) -> Option<String>, name: &str) -> Result<Option<bo
 fn mib_of(flag: &str, value: &str) -> Result<u64> {
     match value.trim().parse::<u64>() {
         Ok(n) if n > 0 && n < (1 << 43) => Ok(n * MIB),
-        _ => Err(Error::invalid(format!("{flag}: '{value}' is not a positive number of MiB"))),
+        _ => Err(Error::flag(flag, format!("{flag}: '{value}' is not a positive number of MiB"))),
     }
 }
 
@@ -155,41 +155,43 @@ impl Options {
         if let Some(v) = env("SDQ_READERS").filter(|v| !v.is_empty()) {
             o.readers = Some(match v.trim().parse::<usize>() {
                 Ok(n) if (1..=64).contains(&n) => n,
-                _ => return Err(Error::invalid(format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
+                _ => return Err(Error::flag("SDQ_READERS", format!("SDQ_READERS: '{v}' is not a number of reader threads from 1 to 64"))),
             });
         }
         if let Some(v) = env("SDQ_READ_RETRIES").filter(|v| !v.is_empty()) {
             o.read_retries = Some(match v.trim().parse::<u32>() {
                 Ok(n) if n <= 10 => n,
-                _ => return Err(Error::invalid(format!("SDQ_READ_RETRIES: '{v}' is not a number of retries from 0 to 10"))),
+                _ => return Err(Error::flag("SDQ_READ_RETRIES", format!("SDQ_READ_RETRIES: '{v}' is not a number of retries from 0 to 10"))),
             });
         }
         if let Some(v) = env("SDQ_READ_BACKOFF_MS").filter(|v| !v.is_empty()) {
             o.read_backoff_ms = Some(match v.trim().parse::<u64>() {
                 Ok(n) if n <= 10_000 => n,
-                _ => return Err(Error::invalid(format!("SDQ_READ_BACKOFF_MS: '{v}' is not milliseconds from 0 to 10000"))),
+                _ => return Err(Error::flag("SDQ_READ_BACKOFF_MS", format!("SDQ_READ_BACKOFF_MS: '{v}' is not milliseconds from 0 to 10000"))),
             });
         }
         o.prefetch = switch(&env, "SDQ_PREFETCH")?;
         if let Some(v) = env("SDQ_GROUP").filter(|v| !v.is_empty()) {
             o.group = Some(match v.trim().parse::<u32>() {
                 Ok(n) if (1..=4096).contains(&n) => n,
-                _ => return Err(Error::invalid(format!("SDQ_GROUP: '{v}' is not a number of ubatches from 1 to 4096"))),
+                _ => return Err(Error::flag("SDQ_GROUP", format!("SDQ_GROUP: '{v}' is not a number of ubatches from 1 to 4096"))),
             });
         }
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => {
-                Some(crate::engine::pager::Populate::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_POPULATE: '{v}' is not 0, 1, idle or ahead")))?)
-            }
+            Some(v) => Some(
+                crate::engine::pager::Populate::parse(&v)
+                    .ok_or_else(|| Error::flag("SDQ_POPULATE", format!("SDQ_POPULATE: '{v}' is not 0, 1, idle or ahead")))?,
+            ),
         };
         o.preload = switch(&env, "SDQ_PRELOAD")?;
         o.pages = match env("SDQ_HUGEPAGES").filter(|v| !v.is_empty()) {
             None => None,
-            Some(v) => {
-                Some(crate::engine::pager::PageChoice::parse(&v).ok_or_else(|| Error::invalid(format!("SDQ_HUGEPAGES: '{v}' is not auto, 0 or hugetlb")))?)
-            }
+            Some(v) => Some(
+                crate::engine::pager::PageChoice::parse(&v)
+                    .ok_or_else(|| Error::flag("SDQ_HUGEPAGES", format!("SDQ_HUGEPAGES: '{v}' is not auto, 0 or hugetlb")))?,
+            ),
         };
         if let Some(v) = env("SDQ_STATS_FILE").filter(|v| !v.is_empty()) {
             o.stats_file = Some(PathBuf::from(v));
@@ -204,7 +206,7 @@ impl Options {
             o.hotset_file = Some(PathBuf::from(v));
         }
         if let Some(v) = env("SDQ_FAULT_READ").filter(|v| !v.is_empty()) {
-            o.faults = crate::engine::pager::io::FaultPlan::parse(&v).map_err(|e| Error::invalid(format!("SDQ_FAULT_READ: {e}")))?;
+            o.faults = crate::engine::pager::io::FaultPlan::parse(&v).map_err(|e| Error::flag("SDQ_FAULT_READ", format!("SDQ_FAULT_READ: {e}")))?;
         }
 
         o.mmproj = env("LLAMA_ARG_MMPROJ").filter(|v| !v.is_empty()).map(PathBuf::from);
@@ -237,7 +239,7 @@ impl Options {
             }
             let value = match inline {
                 Some(v) => v,
-                None => it.next().and_then(|v| v.into_string().ok()).ok_or_else(|| Error::invalid(format!("{flag} needs a value")))?,
+                None => it.next().and_then(|v| v.into_string().ok()).ok_or_else(|| Error::flag(flag.clone(), format!("{flag} needs a value")))?,
             };
             match flag.as_str() {
                 "--ram-budget" => {
@@ -353,21 +355,27 @@ mod tests {
 
     #[test]
     fn bad_values_name_the_flag_and_value() {
-        for (args, env, needle) in [
-            (&["t", "--ram-budget", "8X"][..], &[][..], "--ram-budget: '8X'"),
-            (&["t", "--ram-budget", "0"][..], &[][..], "'0' is zero"),
-            (&["t", "--ram-budget", "-1"][..], &[][..], "'-1'"),
-            (&["t", "--ram-budget"][..], &[][..], "--ram-budget needs a value"),
-            (&["t", "--ram-budget-mb", "1.5"][..], &[][..], "'1.5' is not a positive number of MiB"),
-            (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'"),
-            (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'"),
-            (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'"),
-            (&["t"][..], &[("SDQ_GROUP", "0")][..], "SDQ_GROUP: '0' is not a number of ubatches"),
-            (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto, 0 or hugetlb"),
-            (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'"),
+        for (args, env, needle, flag) in [
+            (&["t", "--ram-budget", "8X"][..], &[][..], "--ram-budget: '8X'", "--ram-budget"),
+            (&["t", "--ram-budget", "0"][..], &[][..], "'0' is zero", "--ram-budget"),
+            (&["t", "--ram-budget", "-1"][..], &[][..], "'-1'", "--ram-budget"),
+            (&["t", "--ram-budget"][..], &[][..], "--ram-budget needs a value", "--ram-budget"),
+            (&["t", "--ram-budget-mb", "1.5"][..], &[][..], "'1.5' is not a positive number of MiB", "--ram-budget-mb"),
+            (&["t"][..], &[("SDQ_RESERVE_MB", "lots")][..], "SDQ_RESERVE_MB: 'lots'", "SDQ_RESERVE_MB"),
+            (&["t"][..], &[("SDQ_PREFETCH", "maybe")][..], "SDQ_PREFETCH: 'maybe'", "SDQ_PREFETCH"),
+            (&["t"][..], &[("SDQ_POPULATE", "later")][..], "SDQ_POPULATE: 'later'", "SDQ_POPULATE"),
+            (&["t"][..], &[("SDQ_GROUP", "0")][..], "SDQ_GROUP: '0' is not a number of ubatches", "SDQ_GROUP"),
+            (&["t"][..], &[("SDQ_HUGEPAGES", "1g")][..], "SDQ_HUGEPAGES: '1g' is not auto, 0 or hugetlb", "SDQ_HUGEPAGES"),
+            (&["t", "--sdq-policy", "fifo"][..], &[][..], "--sdq-policy: unknown policy 'fifo'", "--sdq-policy"),
         ] {
-            let e = parse(args, env).0.unwrap_err().to_string();
-            assert!(e.contains(needle), "{args:?}: {e}");
+            // A caller tells a bad flag from other errors, and which flag.
+            match parse(args, env).0.unwrap_err() {
+                Error::Flag { name, message } => {
+                    assert_eq!(name, flag, "{args:?} {env:?}: {message}");
+                    assert!(message.contains(needle), "{args:?}: {message}");
+                }
+                e => panic!("{args:?} {env:?}: not a flag error: {e:?}"),
+            }
         }
     }
 

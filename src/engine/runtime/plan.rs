@@ -84,8 +84,9 @@ impl Runtime {
         let held = budget::Held { anon: rss + projector_bytes + compute, mapped };
         let reserve = self.options.reserve.unwrap_or_else(|| budget::default_reserve(self.budget));
         let min_arena = layout.min_arena_bytes(top_k);
+        let minimum = rss + compute + projector_bytes + mapped + reserve + min_arena;
         let too_small = || {
-            Error::invalid(format!(
+            Error::budget(self.budget, Some(minimum), format!(
                 "RAM budget {} is too small: after loading, the process holds {} of anonymous memory{} and {} of mapped weights{}, the reserve is {} and one layer's top-{top_k} experts need {}; the minimum budget is {} (or lower --sdq-reserve)",
                 human(self.budget),
                 human(rss),
@@ -100,7 +101,7 @@ impl Runtime {
                 },
                 human(reserve),
                 human(min_arena),
-                human(rss + compute + projector_bytes + mapped + reserve + min_arena)
+                human(minimum)
             ))
         };
         let arena_bytes = budget::arena_bytes(self.budget, reserve, held, budget::rlimit_data()).map_err(|_| too_small())?;
