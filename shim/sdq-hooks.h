@@ -20,7 +20,9 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 15
+#define SDQ_HOOKS_VERSION 16
+
+struct llama_model;
 
 /* Where a weight goes (the is_paged hook). */
 enum sdq_place {
@@ -97,9 +99,14 @@ struct sdq_hooks {
      * len) and forgotten; false if there is none. The loader throws it. */
     bool (*take_load_error)(void * user_data, char * buf, size_t len);
 
-    /* Loader: the model whose files were reported last has its weights in
-     * memory (a dry run, such as common's parameter fitting, never says so). */
-    void (*model_loaded)(void * user_data);
+    /* Loader: the model whose files were reported last, `model`, has its
+     * weights in memory (a dry run, such as common's parameter fitting,
+     * never says so). */
+    void (*model_loaded)(void * user_data, const struct llama_model * model);
+
+    /* llama_model_free: `model` is gone (any model; sdq knows those it was
+     * told were loaded). Called after it is freed: only its address. */
+    void (*model_freed)(void * user_data, const struct llama_model * model);
 
     /* Graph: the expert matmul ggml_mul_mat_id(as, b, ids) for a weight `as`
      * placed in paged_buft. Returns a tensor of ggml_mul_mat_id's shape and

@@ -441,6 +441,86 @@ sys.stdout.write("after: " + complete() + "\n@@\n")
     assert_eq!(after.as_deref(), Some(expected.as_str()), "{out}");
 }
 
+/// Two models in one process under one `SDQ_RAM_BUDGET` (issue 49): a
+/// program loads model A twice (the same file) and another model B, then
+/// uses them in turn; each answers as llama-completion does without a
+/// budget, and the process stays within the budget, an arena of one and a
+/// half token cycles of all three (the first run finds what the models
+/// hold). Freeing every model gives the arena's memory back (its resident
+/// bytes, from /proc/self/smaps in the stats file, drop to nothing); B
+/// loaded again gets
+/// an arena of its own and answers the same. A model loaded after another has computed, while that
+/// one is still alive, is refused at its load, naming both.
+#[test]
+fn two_models_in_one_process_share_one_budget() {
+    let python = venv();
+    let (a, b) = (tiny_preset(), TempModel::generate("library-two-b.gguf", &["--preset", "tiny", "--seed", "3"]));
+    let flags = ["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"];
+    let (want_a, want_b) = (completion_text(a, 24, &flags), completion_text(&b, 24, &flags));
+    assert_ne!(want_a, want_b, "the two models answer alike: the test could not tell them apart");
+    let script = r#"
+import json, sys, time
+from llama_cpp import Llama
+a_path, b_path, prompt, stats = sys.argv[1:5]
+kw = dict(n_ctx=256, n_batch=512, n_ubatch=512, n_threads=2, flash_attn=False, verbose=False, seed=1)
+def snapshot():
+    # The stats file's snapshot (every second); its arena_resident_bytes
+    # come from the arena's mappings in /proc/self/smaps.
+    time.sleep(1.5)
+    return json.load(open(stats))
+def complete(llm):
+    llm.reset()
+    return llm.create_completion(prompt, max_tokens=24, top_k=1, temperature=0.0, repeat_penalty=1.0)["choices"][0]["text"]
+def say(label, text):
+    sys.stdout.write(label + ": " + text + "\n@@\n")
+a, a2, b = Llama(model_path=a_path, **kw), Llama(model_path=a_path, **kw), Llama(model_path=b_path, **kw)
+say("b", complete(b)); say("a", complete(a)); say("a2", complete(a2)); say("b again", complete(b))
+first = snapshot()
+print("three models: " + json.dumps(first))
+a.close(); a2.close(); b.close()
+print("arena held %d then %d" % (first["arena_resident_bytes"], snapshot()["arena_resident_bytes"]))
+c = Llama(model_path=b_path, **kw)
+say("b reloaded", complete(c))
+try:
+    # verbose: llama-cpp-python hides stderr while a model loads unless asked.
+    Llama(model_path=a_path, **dict(kw, verbose=True))
+    print("late load: loaded")
+except ValueError:
+    print("late load: ValueError")
+"#;
+    let run_with = |budget: &str, stats: &Path| {
+        let o = run(
+            Command::new(&python)
+                .args(["-c", script, a.to_str().unwrap(), b.to_str().unwrap(), PROMPT, stats.to_str().unwrap()])
+                .env("LLAMA_CPP_LIB_PATH", lib_dir())
+                .envs([("SDQ_RAM_BUDGET", budget), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]),
+            300,
+        );
+        let (out, err) = (stdout(&o), stderr(&o));
+        assert!(o.status.success(), "{out}{err}");
+        (out, err)
+    };
+    // What the three models hold while all are loaded (the arena planned
+    // for them, before any is freed).
+    let (out, _) = run_with("1G", &scratch().join("library-two-probe.json"));
+    let probe: Value = serde_json::from_str(out.lines().find_map(|l| l.strip_prefix("three models: ")).unwrap()).unwrap();
+    let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
+    // Weights left in the file mapping count against the budget too.
+    let budget = crate::pager::budget_for(&probe, 16 << 20, cycle * 3 / 2 + u(&probe, "mapped_weight_bytes"));
+    let stats = scratch().join("library-two-stats.json");
+    let (out, err) = run_with(&budget, &stats);
+    let answer = |label: &str| out.split(&format!("{label}: ")).nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string());
+    for (label, want) in [("b", &want_b), ("a", &want_a), ("a2", &want_a), ("b again", &want_b), ("b reloaded", &want_b)] {
+        assert_eq!(answer(label).as_ref(), Some(want), "{label}: {out}");
+    }
+    let held: Vec<u64> = out.lines().find_map(|l| l.strip_prefix("arena held ")).unwrap().split(" then ").map(|n| n.parse().unwrap()).collect();
+    assert!(held[0] >= 4 << 20 && held[1] <= 256 << 10, "the arena's mapping held {} bytes, and {} after every model was freed: {out}", held[0], held[1]);
+    assert!(out.contains("late load: ValueError") && err.contains("a model with routed experts loaded after the first batch ran"), "{out}{err}");
+    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let budget: u64 = budget.parse().unwrap();
+    assert!(u(&s, "peak_rss_anon_bytes") <= budget && u(&s, "vm_swap_bytes") == 0 && u(&s, "misses") > 0, "{s}");
+}
+
 /// With `MTMD_CPP_LIB` at sdq's libmtmd.so, a chat with an image on the
 /// generated MiniCPM-V projector answers as llama-mtmd-cli does, under a
 /// budget whose arena is a few slots (the run's own minimum plus 2 MiB: at

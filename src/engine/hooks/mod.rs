@@ -42,6 +42,7 @@ pub fn install() {
             resident_weight: Some(resident_weight),
             mapped_weight: Some(mapped_weight),
             model_loaded: Some(model_loaded),
+            model_freed: Some(model_freed),
             take_load_error: Some(take_load_error),
             mul_mat_id: Some(mul_mat_id),
             moe_routing: Some(moe_routing),
@@ -276,10 +277,19 @@ extern "C" fn mapped_weight(_: *mut c_void, t: *const sys::ggml_tensor) {
     })
 }
 
-extern "C" fn model_loaded(_: *mut c_void) {
+extern "C" fn model_loaded(_: *mut c_void, model: *const sys::llama_model) {
     guard_load("model_loaded", || {
         if let Some(rt) = runtime::get() {
-            rt.on_model_loaded();
+            rt.on_model_loaded(model as usize);
+        }
+    })
+}
+
+extern "C" fn model_freed(_: *mut c_void, model: *const sys::llama_model) {
+    guard_or("model_freed", During::Query, (), || {
+        if runtime::get().is_some_and(|rt| rt.on_model_freed(model as usize)) {
+            moe::forget_left_calls();
+            moe::forget_predictions();
         }
     })
 }
@@ -294,13 +304,16 @@ fn paged_name(t: *const sys::ggml_tensor, name: &str) -> Option<(String, u32, Pa
     Some((runtime::renumbered(name, paged - layer), paged, part))
 }
 
+/// The paged matmul ops made so far, by pager generation, tensor and layout.
+type PagedMatmulOps = Mutex<HashMap<(u64, String, WeightLayout), &'static PagedMatmul>>;
+
 /// One `PagedMatmul` per paged tensor name, kept for the process's lifetime
 /// (graphs are rebuilt and reused; their userdata must stay valid).
 fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static PagedMatmul {
-    static OPS: OnceLock<Mutex<HashMap<(String, WeightLayout), &'static PagedMatmul>>> = OnceLock::new();
+    static OPS: OnceLock<PagedMatmulOps> = OnceLock::new();
     let layout = runtime::get().map_or(WeightLayout::Plain, |rt| rt.weight_layout(name));
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry((name.to_string(), layout)).or_insert_with(|| {
+    ops.entry((generation(), name.to_string(), layout)).or_insert_with(|| {
         let kernels = DotKernels::for_type(ty).unwrap_or_else(|| fatal(&format!("{name}: no CPU dot product for {}", ty.name())));
         let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         Box::leak(Box::new(PagedMatmul {
@@ -316,21 +329,28 @@ fn paged_matmul(name: &str, layer: u32, part: Part, ty: GgmlType) -> &'static Pa
     })
 }
 
-/// The paged layer ops made so far, by layer and the layouts of its parts.
-type PagedExpertsOps = Mutex<HashMap<(u32, [WeightLayout; 3]), &'static PagedExperts>>;
+/// The paged layer ops made so far, by pager generation, layer and the
+/// layouts of its parts.
+type PagedExpertsOps = Mutex<HashMap<(u64, u32, [WeightLayout; 3]), &'static PagedExperts>>;
 
 /// One `PagedExperts` per layer, kept for the process's lifetime.
 fn paged_experts(names: &[String; 3], layer: u32, kernels: [DotKernels; 3]) -> &'static PagedExperts {
     static OPS: OnceLock<PagedExpertsOps> = OnceLock::new();
     let layouts = names.clone().map(|n| runtime::get().map_or(WeightLayout::Plain, |rt| rt.weight_layout(&n)));
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry((layer, layouts)).or_insert_with(|| {
+    ops.entry((generation(), layer, layouts)).or_insert_with(|| {
         let (first_layer, last_layer) = runtime::get().map(|rt| rt.paged_layers()).unwrap_or((0, 0));
         let [gate, up, down] = kernels;
         log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op ({}, {}, {})", layouts[0].name(), layouts[1].name(), layouts[2].name());
         let name = names[2].clone();
         Box::leak(Box::new(PagedExperts { name, layer, gate, up, down, layouts, counts_tokens: layer == first_layer, ends_step: layer == last_layer }))
     })
+}
+
+/// The runtime's pager generation: an op made for a freed model's pager
+/// (its layers' first and last, its top-k) is not reused for the next.
+fn generation() -> u64 {
+    runtime::get().map_or(0, |rt| rt.generation())
 }
 
 /// Every thread of the graph (GGML_N_TASKS_MAX) runs a paged op.
@@ -358,9 +378,9 @@ unsafe fn custom_op(
 
 /// One `Predictor` per layer, kept for the process's lifetime.
 fn predictor(layer: u32, next: u32, top_k: usize) -> &'static Predictor {
-    static OPS: OnceLock<Mutex<HashMap<u32, &'static Predictor>>> = OnceLock::new();
+    static OPS: OnceLock<Mutex<HashMap<(u64, u32), &'static Predictor>>> = OnceLock::new();
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry(layer).or_insert_with(|| Box::leak(Box::new(Predictor { layer, next, top_k })))
+    ops.entry((generation(), layer)).or_insert_with(|| Box::leak(Box::new(Predictor { layer, next, top_k })))
 }
 
 /// The prediction of the next paged layer's experts from this layer's
@@ -450,9 +470,9 @@ extern "C" fn mul_mat_id(
 
 /// One `RoutingRecord` per layer, kept for the process's lifetime.
 fn routing_record(layer: u32) -> &'static RoutingRecord {
-    static OPS: OnceLock<Mutex<HashMap<u32, &'static RoutingRecord>>> = OnceLock::new();
+    static OPS: OnceLock<Mutex<HashMap<(u64, u32), &'static RoutingRecord>>> = OnceLock::new();
     let mut ops = OPS.get_or_init(Default::default).lock().unwrap_or_else(|p| p.into_inner());
-    ops.entry(layer).or_insert_with(|| {
+    ops.entry((generation(), layer)).or_insert_with(|| {
         let first_layer = runtime::get().map(|rt| rt.first_paged_layer()).unwrap_or(0);
         Box::leak(Box::new(RoutingRecord { layer, starts_step: layer == first_layer }))
     })

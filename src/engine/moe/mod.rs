@@ -120,6 +120,12 @@ fn calls() -> &'static Mutex<HashMap<usize, Call>> {
     CALLS.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
+/// Forgets the predictions of the next layers' experts not used yet (their
+/// model was freed: a later model's layers have the same numbers).
+pub fn forget_predictions() {
+    predictions().lock().unwrap_or_else(|p| p.into_inner()).clear();
+}
+
 /// Forgets the calls a failed graph left (called between graphs, when no op
 /// runs): a thread whose op panicked left its call without counting itself
 /// out, and the next graph's op at the same address must not join it.

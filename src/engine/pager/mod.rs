@@ -226,7 +226,8 @@ struct Shared {
 
 pub struct Pager {
     shared: Arc<Shared>,
-    readers: Vec<std::thread::JoinHandle<()>>,
+    /// Its threads, joined when it is dropped or retired.
+    readers: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
 
 /// An expert's bytes, pinned in its slot until dropped.
@@ -328,7 +329,7 @@ impl Pager {
                 readers.push(t);
             }
         }
-        Ok(Pager { shared, readers })
+        Ok(Pager { shared, readers: Mutex::new(readers) })
     }
 
     /// The pages behind the arena.
@@ -657,14 +658,49 @@ impl Pager {
     }
 }
 
-impl Drop for Pager {
-    fn drop(&mut self) {
-        self.shared.queue.lock().unwrap_or_else(|p| p.into_inner()).closed = true;
+impl Pager {
+    /// Stops the reader threads: queued reads are dropped, a read in
+    /// progress finishes first.
+    fn stop_readers(&self) {
+        {
+            let mut q = self.shared.queue.lock().unwrap_or_else(|p| p.into_inner());
+            q.closed = true;
+            q.demand.clear();
+            q.spare.clear();
+            q.warm.clear();
+        }
         self.shared.queued.notify_all();
         // The populater may be waiting for the arena to fill.
         self.shared.changed.notify_all();
-        for r in self.readers.drain(..) {
+        let readers = std::mem::take(&mut *self.readers.lock().unwrap_or_else(|p| p.into_inner()));
+        for r in readers {
             let _ = r.join();
         }
+    }
+
+    /// The models this pager served are gone (a host program freed the
+    /// last of them): its threads stop and its arena's memory goes back to
+    /// the kernel. Returns the bytes the arena held. The pager is not used
+    /// again: the next model gets a pager of its own.
+    pub fn retire(&self) -> u64 {
+        self.stop_readers();
+        let held = self.arena_pages_held().map_or(0, |p| p.resident);
+        let st = self.shared.lock();
+        for class in self.shared.arena.classes() {
+            // SAFETY: no model is left, so no graph computes with these
+            // slots, and the readers (the only other writers) have been
+            // joined; the state lock keeps any straggler out meanwhile.
+            if let Err(e) = unsafe { self.shared.arena.discard(class.slots()) } {
+                log::warn!("cannot give back the arena's slots of {} bytes: {e}", class.slot_bytes);
+            }
+        }
+        drop(st);
+        held
+    }
+}
+
+impl Drop for Pager {
+    fn drop(&mut self) {
+        self.stop_readers();
     }
 }

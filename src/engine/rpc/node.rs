@@ -40,7 +40,8 @@ pub fn open(path: &std::path::Path) -> Result<()> {
     for (i, (f, _)) in files.iter().enumerate() {
         rt.on_loader_file(i as u32, f.clone());
     }
-    rt.on_model_loaded();
+    // No llama_model: the node's copy is never freed (0 stands for it).
+    rt.on_model_loaded(0);
     log::info!("pages the routed experts the host claims from {} ({} files, {} expert tensors)", path.display(), files.len(), check.routed_expert_tensors);
     let _ = MODEL.set(NodeModel { files, tensors });
     Ok(())

@@ -37,12 +37,53 @@ use std::time::{Duration, Instant};
 /// Token cycles the arena must hold for the default to prefetch.
 pub const PREFETCH_MIN_CYCLES: f64 = 2.0;
 
+/// The pager of the models loaded now: set at their first batch, taken
+/// back when a host program frees the last of them. A pager, once set, is
+/// never dropped (a taken one is retired and leaked), so references read
+/// from the cell stay valid for the process's life.
+#[derive(Default)]
+struct PagerCell {
+    current: std::sync::RwLock<Option<&'static (Pager, ArenaPlan)>>,
+    /// The current pager, or the one retired last: the run's figures.
+    latest: std::sync::RwLock<Option<&'static (Pager, ArenaPlan)>>,
+}
+
+impl PagerCell {
+    fn get(&self) -> Option<&'static (Pager, ArenaPlan)> {
+        *self.current.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn latest(&self) -> Option<&'static (Pager, ArenaPlan)> {
+        *self.latest.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Sets the pager unless one is set already.
+    fn set(&self, made: (Pager, ArenaPlan)) {
+        let mut cell = self.current.write().unwrap_or_else(|p| p.into_inner());
+        if cell.is_none() {
+            let made: &'static _ = Box::leak(Box::new(made));
+            *cell = Some(made);
+            *self.latest.write().unwrap_or_else(|p| p.into_inner()) = Some(made);
+        }
+    }
+
+    fn take(&self) -> Option<&'static (Pager, ArenaPlan)> {
+        self.current.write().unwrap_or_else(|p| p.into_inner()).take()
+    }
+}
+
 pub struct Runtime {
     pub options: Options,
     budget: u64,
     started: Instant,
     registry: Mutex<Registry>,
-    pager: OnceLock<(Pager, ArenaPlan)>,
+    pager: PagerCell,
+    /// The models loaded in full and not freed (by address).
+    live_models: Mutex<std::collections::HashSet<usize>>,
+    /// The totals of the pagers retired so far.
+    retired_totals: Mutex<PagerTotals>,
+    /// Counts the pagers made: a freed model's ops are not a later one's.
+    generation: AtomicU64,
     /// Each step's tokens, time and bytes read, by phase (prompt or decode).
     phases: Mutex<PhaseClock>,
     /// A prompt's ubatches computed together (one step each group).
@@ -94,7 +135,10 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         budget,
         started: Instant::now(),
         registry: Mutex::new(Registry::default()),
-        pager: OnceLock::new(),
+        pager: PagerCell::default(),
+        live_models: Mutex::new(Default::default()),
+        retired_totals: Mutex::new(PagerTotals::default()),
+        generation: AtomicU64::new(0),
         phases: Mutex::new(PhaseClock::default()),
         groups: Mutex::new(groups::Groups::default()),
         peak_rss_anon: AtomicU64::new(0),
@@ -123,7 +167,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
                     // A snapshot each second: a run that ends without exit
                     // handlers (Ctrl-C in llama-completion calls _exit) still
                     // leaves a stats file, at most a second old.
-                    if tick % 50 == 0 && rt.pager.get().is_some() && !rt.finished.load(Ordering::SeqCst) {
+                    if tick % 50 == 0 && rt.pager.latest().is_some() && !rt.finished.load(Ordering::SeqCst) {
                         rt.write_stats(false);
                     }
                 }
@@ -174,13 +218,55 @@ impl Runtime {
         r.files.insert(file, path);
     }
 
-    /// The model loading now has its weights in memory.
-    pub fn on_model_loaded(&self) {
+    /// The model loading now, `model`, has its weights in memory.
+    pub fn on_model_loaded(&self, model: usize) {
+        self.live_models.lock().unwrap_or_else(|p| p.into_inner()).insert(model);
         let mut r = self.lock_registry();
         let current = r.current;
         if let Some(m) = r.models.get_mut(current) {
             m.loaded = true;
         }
+    }
+
+    /// `model` was freed. Inside a host program, once the last model sdq
+    /// paged for is gone, its pager is retired (the arena's memory goes
+    /// back) and what the loader reported is forgotten: the next model
+    /// loaded gets an arena planned for it, within the same budget. True
+    /// if so (the caller forgets the ops' state too).
+    pub fn on_model_freed(&self, model: usize) -> bool {
+        let last = {
+            let mut live = self.live_models.lock().unwrap_or_else(|p| p.into_inner());
+            live.remove(&model) && live.is_empty()
+        };
+        if !last || !failure::embedded() {
+            return false;
+        }
+        let _one = self.creating.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((pager, _)) = self.pager.take() {
+            let t = pager.totals();
+            let mut r = self.retired_totals.lock().unwrap_or_else(|p| p.into_inner());
+            *r = crate::engine::pager::PagerTotals {
+                bytes_read: r.bytes_read + t.bytes_read,
+                hits: r.hits + t.hits,
+                misses: r.misses + t.misses,
+                prefetch_used: r.prefetch_used + t.prefetch_used,
+            };
+            drop(r);
+            let held = pager.retire();
+            log::info!("the last model was freed: its arena ({} held) is given back", human(held));
+        }
+        *self.lock_registry() = Registry::default();
+        *self.compute_buffers.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *self.context_size.lock().unwrap_or_else(|p| p.into_inner()) = ContextSize::default();
+        self.unpaged_tokens.store(0, Ordering::Relaxed);
+        *self.watch.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        self.generation.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Which pager the ops built now belong to (see `on_model_freed`).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Relaxed)
     }
 
     /// A model with routed experts that the tool will load after its first
@@ -441,7 +527,7 @@ impl Runtime {
         let _one = self.creating.lock().unwrap_or_else(|p| p.into_inner());
         if self.pager.get().is_none() {
             let made = self.create_pager(top_k)?;
-            let _ = self.pager.set(made);
+            self.pager.set(made);
         }
         Ok(&self.pager.get().expect("the pager was just set").0)
     }
@@ -471,7 +557,7 @@ impl Runtime {
     /// Saves the hot set (if asked for): the arena's experts and the
     /// policy's counts. A failure is a warning: the run's output matters more.
     fn save_hotset(&self) {
-        let (Some(path), Some((pager, _))) = (&self.options.hotset_file, self.pager.get()) else { return };
+        let (Some(path), Some((pager, _))) = (&self.options.hotset_file, self.pager.latest()) else { return };
         let (counts, held) = pager.hot_set();
         let mut experts: std::collections::BTreeMap<crate::engine::pager::ExpertKey, HotExpert> =
             counts.into_iter().map(|(key, count)| (key, HotExpert { key, count, held: false })).collect();
@@ -627,8 +713,16 @@ impl Runtime {
         );
     }
 
+    /// The pagers' totals: every retired pager's and the current one's.
     fn pager_totals(&self) -> PagerTotals {
-        self.pager.get().map_or_else(Default::default, |(p, _)| p.totals())
+        let r = *self.retired_totals.lock().unwrap_or_else(|p| p.into_inner());
+        let t = self.pager.get().map_or_else(Default::default, |(p, _)| p.totals());
+        PagerTotals {
+            bytes_read: r.bytes_read + t.bytes_read,
+            hits: r.hits + t.hits,
+            misses: r.misses + t.misses,
+            prefetch_used: r.prefetch_used + t.prefetch_used,
+        }
     }
 
     /// The prompt's and the decode's totals so far, the open step included.

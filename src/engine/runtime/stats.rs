@@ -43,7 +43,7 @@ impl Runtime {
         // failed: the model's graph never used its experts.
         let failed = super::failure::failed();
         let computed = self.ubatches.load(Ordering::Relaxed) > 0 && failed.batches == 0 && failed.loads == 0;
-        if self.pager.get().is_none() && peak > self.budget && computed {
+        if self.pager.latest().is_none() && peak > self.budget && computed {
             eprintln!(
                 "sdq: error: RAM budget {} was not honoured: the process held {} of anonymous memory, and no routed expert was paged (the model's graph uses none of its expert tensors), so nothing could be kept out of memory; the budget must be at least {}",
                 human(self.budget),
@@ -98,7 +98,7 @@ impl Runtime {
         };
         let failed = super::failure::failed();
         let first = failed.first.as_deref().unwrap_or_default();
-        let line = match self.pager.get() {
+        let line = match self.pager.latest() {
             None if self.lock_registry().models.is_empty() && failed.loads == 0 => return None,
             None if on_nodes.is_some() => {
                 format!("sdq: no routed experts were paged here; peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
@@ -116,8 +116,8 @@ impl Runtime {
                 };
                 format!("sdq: no routed experts were paged ({why}); peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
             }
-            Some((pager, _)) => {
-                let t = pager.totals();
+            Some(_) => {
+                let t = self.pager_totals();
                 let (prompt, decode) = self.phase_totals();
                 let tokens = prompt.tokens + decode.tokens;
                 format!(
@@ -171,12 +171,12 @@ impl Runtime {
             "peak_rss_anon_bytes": self.peak_rss_anon.load(Ordering::Relaxed),
             "vm_swap_bytes": self.max_swap.load(Ordering::Relaxed).max(mem.vm_swap),
             "vm_hwm_bytes": mem.vm_hwm,
-            "paged": self.pager.get().is_some(),
+            "paged": self.pager.latest().is_some(),
         });
         // A prompt's ubatches computed together, layer by layer.
         let (groups, grouped, peak) = self.groups_computed();
         v.as_object_mut().expect("object").insert("prompt_groups".into(), json!({ "groups": groups, "ubatches": grouped, "peak_bytes": peak }));
-        if let Some((pager, plan)) = self.pager.get() {
+        if let Some((pager, plan)) = self.pager.latest() {
             let c = pager.counts();
             let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));
             let layers_per_class = pager.layout().layers_per_class();
