@@ -301,6 +301,8 @@ fn errors_inside_a_c_program_are_the_programs() {
     std::fs::write(&bad, &bytes[..bytes.len() / 2]).unwrap();
     let (code, err) = greedy(&bad, &[("SDQ_RAM_BUDGET", "1G")]);
     assert!(code == Some(1) && err.contains("error: cannot load") && !err.contains("panicked"), "{code:?}: {err}");
+    let exit = err.lines().find(|l| l.starts_with("sdq: no routed experts were paged")).unwrap_or_default();
+    assert!(exit.contains("(1 model load or context failed: ") && exit.contains("library-errors-truncated.gguf"), "{err}");
 }
 
 /// The same failures from Python: llama-cpp-python raises its own exception

@@ -82,6 +82,8 @@ pub struct Runtime {
     live_models: Mutex<std::collections::HashSet<usize>>,
     /// The totals of the pagers retired so far.
     retired_totals: Mutex<PagerTotals>,
+    /// Models loaded in full so far (freed ones too).
+    models_loaded: AtomicU64,
     /// Counts the pagers made: a freed model's ops are not a later one's.
     generation: AtomicU64,
     /// Each step's tokens, time and bytes read, by phase (prompt or decode).
@@ -138,6 +140,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         pager: PagerCell::default(),
         live_models: Mutex::new(Default::default()),
         retired_totals: Mutex::new(PagerTotals::default()),
+        models_loaded: AtomicU64::new(0),
         generation: AtomicU64::new(0),
         phases: Mutex::new(PhaseClock::default()),
         groups: Mutex::new(groups::Groups::default()),
@@ -221,6 +224,7 @@ impl Runtime {
     /// The model loading now, `model`, has its weights in memory.
     pub fn on_model_loaded(&self, model: usize) {
         self.live_models.lock().unwrap_or_else(|p| p.into_inner()).insert(model);
+        self.models_loaded.fetch_add(1, Ordering::Relaxed);
         let mut r = self.lock_registry();
         let current = r.current;
         if let Some(m) = r.models.get_mut(current) {

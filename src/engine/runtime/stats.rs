@@ -99,7 +99,7 @@ impl Runtime {
         let failed = super::failure::failed();
         let first = failed.first.as_deref().unwrap_or_default();
         let line = match self.pager.latest() {
-            None if self.lock_registry().models.is_empty() && failed.loads == 0 => return None,
+            None if self.lock_registry().models.is_empty() && self.models_loaded.load(Ordering::Relaxed) == 0 && failed.loads == 0 => return None,
             None if on_nodes.is_some() => {
                 format!("sdq: no routed experts were paged here; peak anonymous RSS {} of {} budget, swap {}", human(peak), human(self.budget), human(swap))
             }
@@ -109,6 +109,8 @@ impl Runtime {
                     format!("{} failed before any was read: {first}", count(failed.batches, "batch", "batches"))
                 } else if failed.loads > 0 {
                     format!("{} failed: {first}", count(failed.loads, "model load or context", "model loads or contexts"))
+                } else if let Some(m) = self.lock_registry().models.iter().find(|m| !m.loaded).filter(|_| self.ubatches.load(Ordering::Relaxed) == 0) {
+                    format!("{} did not load", m.path.display())
                 } else if self.ubatches.load(Ordering::Relaxed) == 0 {
                     "nothing was decoded".to_string()
                 } else {
