@@ -465,11 +465,19 @@ import json, sys, time
 from llama_cpp import Llama
 a_path, b_path, prompt, stats = sys.argv[1:5]
 kw = dict(n_ctx=256, n_batch=512, n_ubatch=512, n_threads=2, flash_attn=False, verbose=False, seed=1)
-def snapshot():
-    # The stats file's snapshot (every second); its arena_resident_bytes
-    # come from the arena's mappings in /proc/self/smaps.
-    time.sleep(1.5)
-    return json.load(open(stats))
+def snapshot(until):
+    # The stats file's snapshots (about every second) until one meets
+    # `until` (within 20 s); arena_resident_bytes come from the arena's
+    # mappings in /proc/self/smaps.
+    deadline = time.time() + 20
+    while True:
+        time.sleep(0.5)
+        try:
+            s = json.load(open(stats))
+        except (OSError, ValueError):
+            continue
+        if until(s) or time.time() > deadline:
+            return s
 def complete(llm):
     llm.reset()
     return llm.create_completion(prompt, max_tokens=24, top_k=1, temperature=0.0, repeat_penalty=1.0)["choices"][0]["text"]
@@ -477,10 +485,10 @@ def say(label, text):
     sys.stdout.write(label + ": " + text + "\n@@\n")
 a, a2, b = Llama(model_path=a_path, **kw), Llama(model_path=a_path, **kw), Llama(model_path=b_path, **kw)
 say("b", complete(b)); say("a", complete(a)); say("a2", complete(a2)); say("b again", complete(b))
-first = snapshot()
+first = snapshot(lambda s: s.get("arena_resident_bytes", 0) > 0)
 print("three models: " + json.dumps(first))
 a.close(); a2.close(); b.close()
-print("arena held %d then %d" % (first["arena_resident_bytes"], snapshot()["arena_resident_bytes"]))
+print("arena held %d then %d" % (first["arena_resident_bytes"], snapshot(lambda s: s.get("arena_resident_bytes") == 0)["arena_resident_bytes"]))
 c = Llama(model_path=b_path, **kw)
 say("b reloaded", complete(c))
 try:
@@ -491,6 +499,7 @@ except ValueError:
     print("late load: ValueError")
 "#;
     let run_with = |budget: &str, stats: &Path| {
+        let _ = std::fs::remove_file(stats);
         let o = run(
             Command::new(&python)
                 .args(["-c", script, a.to_str().unwrap(), b.to_str().unwrap(), PROMPT, stats.to_str().unwrap()])
