@@ -59,3 +59,16 @@ pub struct PagerTotals {
     pub misses: u64,
     pub prefetch_used: u64,
 }
+
+impl std::ops::Add for PagerTotals {
+    type Output = PagerTotals;
+
+    fn add(self, o: PagerTotals) -> PagerTotals {
+        PagerTotals {
+            bytes_read: self.bytes_read + o.bytes_read,
+            hits: self.hits + o.hits,
+            misses: self.misses + o.misses,
+            prefetch_used: self.prefetch_used + o.prefetch_used,
+        }
+    }
+}

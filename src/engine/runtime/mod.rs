@@ -247,14 +247,8 @@ impl Runtime {
         }
         let _one = self.creating.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((pager, _)) = self.pager.take() {
-            let t = pager.totals();
             let mut r = self.retired_totals.lock().unwrap_or_else(|p| p.into_inner());
-            *r = crate::engine::pager::PagerTotals {
-                bytes_read: r.bytes_read + t.bytes_read,
-                hits: r.hits + t.hits,
-                misses: r.misses + t.misses,
-                prefetch_used: r.prefetch_used + t.prefetch_used,
-            };
+            *r = *r + pager.totals();
             drop(r);
             let held = pager.retire();
             log::info!("the last model was freed: its arena ({} held) is given back", human(held));
@@ -719,14 +713,8 @@ impl Runtime {
 
     /// The pagers' totals: every retired pager's and the current one's.
     fn pager_totals(&self) -> PagerTotals {
-        let r = *self.retired_totals.lock().unwrap_or_else(|p| p.into_inner());
-        let t = self.pager.get().map_or_else(Default::default, |(p, _)| p.totals());
-        PagerTotals {
-            bytes_read: r.bytes_read + t.bytes_read,
-            hits: r.hits + t.hits,
-            misses: r.misses + t.misses,
-            prefetch_used: r.prefetch_used + t.prefetch_used,
-        }
+        let retired = *self.retired_totals.lock().unwrap_or_else(|p| p.into_inner());
+        retired + self.pager.get().map_or_else(Default::default, |(p, _)| p.totals())
     }
 
     /// The prompt's and the decode's totals so far, the open step included.
