@@ -28,6 +28,17 @@ fn completion_text(model: &Path, n: u32, extra: &[&str]) -> String {
     stdout(&o).trim_end().to_string()
 }
 
+/// llama-completion's flags for the settings the Python scripts give
+/// `Llama(...)` (n_ctx 256, n_batch and n_ubatch 512, 2 threads, no flash
+/// attention) and its completions (repeat_penalty 1).
+const PYTHON_SETTINGS: [&str; 12] = ["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"];
+
+/// The text a script wrote as `LABEL: TEXT\n@@\n` into `out`, trimmed at
+/// the end.
+fn labelled(out: &str, label: &str) -> Option<String> {
+    out.split(&format!("{label}: ")).nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string())
+}
+
 /// The sonames and versions are upstream's (llama.cpp's 0.5.0, ggml's
 /// 0.25.3), and libmtmd.so and ggml's names need only libllama.so.0 of
 /// these libraries (so every call reaches the one copy, with the pager),
@@ -190,7 +201,7 @@ llm = Llama(model_path=sys.argv[1], n_ctx=256, n_batch=512, n_ubatch=512, n_thre
 out = llm.create_completion(sys.argv[2], max_tokens=int(sys.argv[3]), top_k=1, temperature=0.0, repeat_penalty=1.0)
 sys.stdout.write(out["choices"][0]["text"])
 "#;
-    let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
+    let expected = completion_text(model, 24, &PYTHON_SETTINGS);
     let complete = |env: &[(&str, &str)]| {
         let o = run(
             Command::new(&python)
@@ -360,13 +371,12 @@ sys.stdout.write("still: " + complete() + "\n@@\n")
     );
     let (out, err) = (stdout(&o), stderr(&o));
     assert!(o.status.success(), "{out}{err}");
-    let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
+    let expected = completion_text(model, 24, &PYTHON_SETTINGS);
     assert!(out.contains("bad file: ValueError") && out.contains("failing reads: RuntimeError llama_decode returned 2"), "{out}{err}");
     assert!(err.contains("the batch is abandoned") && err.contains(model.to_str().unwrap()), "{err}");
-    let answer = |label: &str| out.split(label).nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string());
-    assert_eq!(answer("after: ").as_deref(), Some(expected.as_str()), "{out}");
+    assert_eq!(labelled(&out, "after").as_deref(), Some(expected.as_str()), "{out}");
     assert!(out.contains("another model: ValueError") && err.contains("a model with routed experts loaded after the first batch ran"), "{out}{err}");
-    assert_eq!(answer("still: ").as_deref(), Some(expected.as_str()), "the first model after the second failed to load: {out}");
+    assert_eq!(labelled(&out, "still").as_deref(), Some(expected.as_str()), "the first model after the second failed to load: {out}");
 
     // A budget too small for the arena: `Llama(...)` raises (its context is
     // refused, with sdq's line naming the minimum), the interpreter goes on
@@ -438,8 +448,8 @@ sys.stdout.write("after: " + complete() + "\n@@\n")
     assert!(o.status.success(), "{out}{err}");
     assert!(out.contains("panicking read: RuntimeError llama_decode returned 2"), "{out}{err}");
     assert!(err.contains("injected panic on read 1") && !err.contains("panicked"), "{err}");
-    let expected = completion_text(model, 24, &["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"]);
-    let after = out.split("after: ").nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string());
+    let expected = completion_text(model, 24, &PYTHON_SETTINGS);
+    let after = labelled(&out, "after");
     assert_eq!(after.as_deref(), Some(expected.as_str()), "{out}");
 }
 
@@ -457,8 +467,7 @@ sys.stdout.write("after: " + complete() + "\n@@\n")
 fn two_models_in_one_process_share_one_budget() {
     let python = venv();
     let (a, b) = (tiny_preset(), TempModel::generate("library-two-b.gguf", &["--preset", "tiny", "--seed", "3"]));
-    let flags = ["-c", "256", "-b", "512", "-ub", "512", "-t", "2", "-fa", "off", "--repeat-penalty", "1"];
-    let (want_a, want_b) = (completion_text(a, 24, &flags), completion_text(&b, 24, &flags));
+    let (want_a, want_b) = (completion_text(a, 24, &PYTHON_SETTINGS), completion_text(&b, 24, &PYTHON_SETTINGS));
     assert_ne!(want_a, want_b, "the two models answer alike: the test could not tell them apart");
     let script = r#"
 import json, sys, time
@@ -520,9 +529,8 @@ except ValueError:
     let budget = crate::pager::budget_for(&probe, 16 << 20, cycle * 3 / 2 + u(&probe, "mapped_weight_bytes"));
     let stats = scratch().join("library-two-stats.json");
     let (out, err) = run_with(&budget, &stats);
-    let answer = |label: &str| out.split(&format!("{label}: ")).nth(1).and_then(|t| t.split("\n@@\n").next()).map(|t| t.trim_end().to_string());
     for (label, want) in [("b", &want_b), ("a", &want_a), ("a2", &want_a), ("b again", &want_b), ("b reloaded", &want_b)] {
-        assert_eq!(answer(label).as_ref(), Some(want), "{label}: {out}");
+        assert_eq!(labelled(&out, label).as_ref(), Some(want), "{label}: {out}");
     }
     let held: Vec<u64> = out.lines().find_map(|l| l.strip_prefix("arena held ")).unwrap().split(" then ").map(|n| n.parse().unwrap()).collect();
     assert!(held[0] >= 4 << 20 && held[1] <= 256 << 10, "the arena's mapping held {} bytes, and {} after every model was freed: {out}", held[0], held[1]);
