@@ -95,11 +95,14 @@ void sdq_rpc_node_failed(const char * endpoint, const char * message) {
     }
 }
 
-void sdq_rpc_node_lost(const char * endpoint, const char * what) {
+bool sdq_rpc_node_lost(const char * endpoint, const char * what, bool can_go_on) {
     const sdq_hooks * h = sdq_get_hooks();
-    if (h && h->rpc_node_lost) {
-        h->rpc_node_lost(h->user_data, endpoint, what);
-    }
+    return h && h->rpc_node_lost && h->rpc_node_lost(h->user_data, endpoint, what, can_go_on);
+}
+
+int64_t sdq_rpc_losses(void) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->rpc_losses ? h->rpc_losses(h->user_data) : -1;
 }
 
 uint64_t sdq_node_claim(const ggml_tensor * t, const sdq_rpc_claim * claim) {

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 16
+#define SDQ_HOOKS_VERSION 17
 
 struct llama_model;
 
@@ -206,9 +206,14 @@ struct sdq_hooks {
      * node's own, e.g. a failed read): the batch is abandoned, as for a
      * local failed read. */
     void (*rpc_node_failed)(void * user_data, const char * endpoint, const char * message);
-    /* The connection to RPC node `endpoint` broke during `what`: reports it
-     * and ends the process (does not return). */
-    void (*rpc_node_lost)(void * user_data, const char * endpoint, const char * what);
+    /* The connection to RPC node `endpoint` broke during `what` (or a batch
+     * placed on a node already lost needs it): reports it. A tool ends (does
+     * not return); where the process can go on (`can_go_on`, and
+     * llama-server or a host program) the batch fails, and true is
+     * returned: nothing more is sent to the node. */
+    bool (*rpc_node_lost)(void * user_data, const char * endpoint, const char * what, bool can_go_on);
+    /* RPC nodes lost so far; -1 when no RPC node holds a layer. */
+    int64_t (*rpc_losses)(void * user_data);
 
     /* RPC, on a node (rpc-server -m FILE with a budget). */
     /* The host claims weight `t` (name, type and shape from the wire) as
@@ -237,7 +242,8 @@ size_t sdq_rpc_claimed(const struct ggml_tensor * t, const char * endpoint, uint
 bool sdq_rpc_encode_op(const struct ggml_tensor * node, int32_t * op_params);
 bool sdq_rpc_node_pages(const char * endpoint);
 void sdq_rpc_node_failed(const char * endpoint, const char * message);
-void sdq_rpc_node_lost(const char * endpoint, const char * what);
+bool sdq_rpc_node_lost(const char * endpoint, const char * what, bool can_go_on);
+int64_t sdq_rpc_losses(void);
 uint64_t sdq_node_claim(const struct ggml_tensor * t, const struct sdq_rpc_claim * claim);
 size_t sdq_node_weight_bytes(const struct ggml_tensor * t);
 bool sdq_node_bind_op(struct ggml_tensor * node);

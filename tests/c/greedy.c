@@ -5,6 +5,9 @@
  * does. The tests build it against sdq's libllama.so and its headers
  * (target/release/{lib,include}).
  *
+ * With GREEDY_RPC=HOST:PORT every layer goes to that rpc-server, as
+ * `--rpc HOST:PORT -ngl 99` does in llama.cpp's tools.
+ *
  * usage: greedy MODEL N_PREDICT PROMPT */
 #include "llama.h"
 
@@ -32,6 +35,19 @@ int main(int argc, char ** argv) {
     llama_log_set(log_line, NULL);
     ggml_backend_load_all();
     struct llama_model_params mparams = llama_model_default_params();
+    const char * rpc = getenv("GREEDY_RPC");
+    if (rpc) {
+        /* as common's --rpc: the RPC backend's add_server, found by name */
+        typedef ggml_backend_reg_t (*add_server_t)(const char * endpoint);
+        ggml_backend_reg_t reg = ggml_backend_reg_by_name("RPC");
+        add_server_t add_server = reg ? (add_server_t) ggml_backend_reg_get_proc_address(reg, "ggml_backend_rpc_add_server") : NULL;
+        if (!add_server) {
+            fprintf(stderr, "error: this libggml has no RPC backend\n");
+            return 1;
+        }
+        ggml_backend_register(add_server(rpc));
+        mparams.n_gpu_layers = 99;
+    }
     struct llama_model * model = llama_model_load_from_file(path, mparams);
     if (model == NULL) {
         fprintf(stderr, "error: cannot load %s\n", path);

@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// target/release/lib.
-fn lib_dir() -> PathBuf {
+pub(crate) fn lib_dir() -> PathBuf {
     bin("sdq").with_file_name("lib")
 }
 
@@ -101,7 +101,7 @@ fn pkg_config_flags() -> Vec<String> {
 
 /// tests/c/greedy.c, built as llama.pc says (the shipped headers,
 /// `-lggml -lggml-base -lllama` from target/release/lib), once per run.
-fn c_program() -> PathBuf {
+pub(crate) fn c_program() -> PathBuf {
     static EXE: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     EXE.get_or_init(|| {
         let exe = scratch().join("greedy-c");

@@ -272,8 +272,8 @@ fn a_failed_read_on_a_node_fails_that_request_and_the_server_goes_on() {
     assert!(b.log().contains("the batch is abandoned") && !b.log().contains("panicked"), "{}", b.log());
 }
 
-/// A node that goes away in the middle of a request: the host names it
-/// and ends within seconds; it does not hang.
+/// A node that goes away in the middle of a tool's request: the tool
+/// names it and ends within seconds; it does not hang.
 #[test]
 fn a_node_that_goes_away_mid_request_is_named_within_seconds() {
     let model = tiny();
@@ -292,6 +292,69 @@ fn a_node_that_goes_away_mid_request_is_named_within_seconds() {
     assert!(!o.status.success());
     let e = stderr(&o);
     assert!(e.contains(&format!("rpc node {} is gone", a.endpoint())) && !e.contains("panicked"), "{e}");
+}
+
+/// A node that goes away in the middle of a llama-server request: that
+/// request fails within seconds naming the node, and so does the next one
+/// (its layers cannot be computed), at once; the server goes on running.
+#[test]
+fn a_node_that_goes_away_fails_the_servers_requests_and_the_server_goes_on() {
+    let model = tiny();
+    let a = Node::start("gone-server", Some((model, "1G")), &[("SDQ_FAULT_READ", "delay=200")]);
+    let ep = a.endpoint();
+    let args = ["-m", model.to_str().unwrap(), "--no-warmup", "-t", "1", "-c", "512", "--rpc", &ep, "-ngl", "99", "--ram-budget", "1G"];
+    let log = scratch().join("rpc-gone-server.log");
+    let (mut server, port) = start_server_logged(&args, &[], Some(&log));
+    let request = r#"{"prompt":"Rivers and mountains of the north","n_predict":200,"top_k":1,"cache_prompt":false}"#;
+    let first = std::thread::spawn(move || http(port, "POST", "/completion", Some(request)).unwrap());
+    // Once the node is reading experts for the server, it goes away.
+    stats_when(&a.stats, 60, "the node reads experts", |s| s["bytes_read"].as_u64().unwrap_or(0) > 0);
+    let gone = std::time::Instant::now();
+    // SAFETY: killing the rpc-server this test started.
+    unsafe { libc::kill(a.pid as i32, libc::SIGKILL) };
+    let named = |body: &str| {
+        let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+        v["error"]["message"].as_str().unwrap_or_default().contains(&format!("rpc node {ep} is gone"))
+    };
+    let (code, body) = first.join().unwrap();
+    assert!(gone.elapsed().as_secs() < 30, "the request took {:?} to fail", gone.elapsed());
+    assert!(code == 500 && named(&body), "{code} {body}");
+    let again = std::time::Instant::now();
+    let (code, body) = http(port, "POST", "/completion", Some(request)).unwrap();
+    assert!(code == 500 && named(&body) && again.elapsed().as_secs() < 10, "{code} {body} after {:?}", again.elapsed());
+    assert_eq!(http(port, "GET", "/health", None).unwrap().0, 200);
+    assert!(server.0.try_wait().unwrap().is_none(), "the server ended");
+    let _ = crate::server::stop(server);
+    let e = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(!e.contains("panicked") && !e.contains("GGML_ASSERT") && !e.contains("Remote RPC server crashed"), "{e}");
+}
+
+/// The same inside a host program (tests/c/greedy.c, linked with sdq's
+/// libllama, its layers on the node): the batch the loss cut off fails at
+/// `llama_decode`'s return, and the program ends as it chooses, with sdq's
+/// line in its own log; nothing aborts it. (llama-cpp-python's
+/// `rpc_servers` predates this llama.cpp's RPC devices: it loads on the CPU.)
+#[test]
+fn a_node_that_goes_away_fails_llama_decode_in_a_host_program() {
+    let model = tiny();
+    let a = Node::start("gone-c", Some((model, "1G")), &[("SDQ_FAULT_READ", "delay=200")]);
+    let program = Command::new(crate::library::c_program())
+        .args([model.to_str().unwrap(), "200", "Rivers and mountains of the north"])
+        .envs([("GREEDY_RPC", a.endpoint().as_str()), ("SDQ_RAM_BUDGET", "1G")])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    stats_when(&a.stats, 60, "the node reads experts", |s| s["bytes_read"].as_u64().unwrap_or(0) > 0);
+    // SAFETY: killing the rpc-server this test started.
+    unsafe { libc::kill(a.pid as i32, libc::SIGKILL) };
+    let o = wait_with_timeout(program, 60);
+    let err = stderr(&o);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("error: llama_decode returned 2"), "{err}");
+    assert!(err.contains(&format!("): sdq: error: rpc node {} is gone", a.endpoint())), "not in the program's log: {err}");
+    assert!(!err.contains("panicked") && !err.contains("GGML_ASSERT") && !err.contains("Remote RPC server crashed"), "{err}");
 }
 
 /// Bad input on the wire (a truncated command, an oversized one, a graph

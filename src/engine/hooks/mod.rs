@@ -65,6 +65,7 @@ pub fn install() {
             rpc_node_pages: Some(rpc::rpc_node_pages),
             rpc_node_failed: Some(rpc::rpc_node_failed),
             rpc_node_lost: Some(rpc::rpc_node_lost),
+            rpc_losses: Some(rpc::rpc_losses),
             node_claim: Some(rpc::node_claim),
             node_weight_bytes: Some(rpc::node_weight_bytes),
             node_bind_op: Some(rpc::node_bind_op),

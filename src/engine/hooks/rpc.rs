@@ -8,7 +8,7 @@ use crate::engine::ffi::sys;
 use crate::engine::moe::{self, PagedExperts, PagedMatmul, Predictor};
 use crate::engine::pager::layout::Part;
 use crate::engine::rpc::{self, host, node};
-use crate::engine::runtime::failure::{self, fatal, guard, guard_load};
+use crate::engine::runtime::failure::{self, fatal, guard, guard_load, guard_or, During};
 use crate::engine::runtime::{self, phases::ContextSize};
 use std::ffi::{c_char, c_int, c_void, CStr};
 
@@ -123,12 +123,27 @@ pub(super) extern "C" fn rpc_node_failed(_: *mut c_void, ep: *const c_char, mess
     })
 }
 
-pub(super) extern "C" fn rpc_node_lost(_: *mut c_void, ep: *const c_char, what: *const c_char) {
+pub(super) extern "C" fn rpc_node_lost(_: *mut c_void, ep: *const c_char, what: *const c_char, can_go_on: bool) -> bool {
     // SAFETY: ggml-rpc passes its endpoint and a static string.
     let (ep, what) = unsafe { (endpoint(ep), endpoint(what)) };
-    fatal(&format!(
+    let msg = format!(
         "rpc node {ep} is gone: its connection closed or stopped answering ({what}); the layers placed on it cannot be computed (a node that stops answering is given up after about 25 s)"
-    ))
+    );
+    // llama-server and a host program go on: this batch fails, and so does
+    // every later one that needs the node. A tool ends here. This runs on
+    // ggml-rpc's dispatcher thread, outside any guard: nothing may unwind.
+    if !can_go_on || !failure::batches_fail_alone() {
+        fatal(&msg)
+    }
+    guard("rpc_node_lost", || {
+        host::lose(&ep);
+        failure::fail_batch_elsewhere(&msg);
+        true
+    })
+}
+
+pub(super) extern "C" fn rpc_losses(_: *mut c_void) -> i64 {
+    guard_or("rpc_losses", During::Query, -1, || host::losses().map_or(-1, |n| n as i64))
 }
 
 pub(super) extern "C" fn node_claim(_: *mut c_void, t: *const sys::ggml_tensor, claim: *const sys::sdq_rpc_claim) -> u64 {

@@ -26,6 +26,10 @@ struct Host {
     weights: HashMap<usize, OnNode>,
     /// Nodes that took a claim: asked after each graph whether it failed.
     paging: BTreeSet<String>,
+    /// Nodes holding any of the model's tensors.
+    nodes: BTreeSet<String>,
+    /// Nodes whose connection broke: every batch placed on them fails.
+    lost: BTreeSet<String>,
 }
 
 static HOST: Mutex<Option<Host>> = Mutex::new(None);
@@ -79,7 +83,13 @@ pub struct Claim {
 /// fingerprint of its bytes. None if it is not such a weight. An
 /// unreadable file is a load error.
 pub fn claim(address: usize, name: &str, endpoint: &str) -> Option<Result<Claim, String>> {
-    let w = with(|h| on_node(h, address, name))?;
+    // Every tensor llama.cpp places on a node is sized here first.
+    let w = with(|h| {
+        if !h.nodes.contains(endpoint) {
+            h.nodes.insert(endpoint.to_string());
+        }
+        on_node(h, address, name)
+    })?;
     if w.endpoint != endpoint {
         return None;
     }
@@ -124,4 +134,14 @@ pub fn claimed(address: usize, name: &str, endpoint: &str, answer: u64) -> Resul
 /// True if node `endpoint` pages experts (it took a claim).
 pub fn node_pages(endpoint: &str) -> bool {
     with(|h| h.paging.contains(endpoint))
+}
+
+/// The connection to node `endpoint` broke.
+pub fn lose(endpoint: &str) {
+    with(|h| h.lost.insert(endpoint.to_string()));
+}
+
+/// Nodes lost so far, or None if no node holds a tensor of the model.
+pub fn losses() -> Option<u64> {
+    with(|h| (!h.nodes.is_empty()).then_some(h.lost.len() as u64))
 }

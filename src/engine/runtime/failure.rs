@@ -199,6 +199,12 @@ pub fn embed() {
     allow_batch_abort();
 }
 
+/// True where a failed batch fails alone and the process goes on
+/// (llama-server, a host program, an rpc-server node).
+pub fn batches_fail_alone() -> bool {
+    BATCH_ABORT.supported.load(Ordering::Acquire)
+}
+
 /// The tool abandons a batch whose expert read failed and goes on (llama-server).
 pub fn allow_batch_abort() {
     BATCH_ABORT.supported.store(true, Ordering::Release);
