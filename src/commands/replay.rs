@@ -159,7 +159,7 @@ pub fn known_frequency(trace: &Trace, layout: &Layout, classes: &[SlotClass], ju
     let mut counts: HashMap<ExpertKey, u64> = HashMap::new();
     for b in trace.batches.iter().filter(|b| b.phase == Phase::Decode) {
         for &e in &b.experts {
-            *counts.entry((b.layer, e)).or_default() += 1;
+            *counts.entry(ExpertKey::new(b.layer, e)).or_default() += 1;
         }
     }
     let n_slots: usize = classes.iter().map(|c| c.count).sum();
@@ -195,7 +195,7 @@ impl Told {
     /// Whether the use of `key` at batch `i` is one the policy is told of: a
     /// fixed hash of both, below `recall`.
     fn revealed(&self, i: usize, key: ExpertKey) -> bool {
-        let mut z = (i as u64) << 32 ^ (key.0 as u64) << 20 ^ key.1 as u64;
+        let mut z = (i as u64) << 32 ^ (key.layer as u64) << 20 ^ key.expert as u64;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
@@ -248,7 +248,7 @@ pub fn told_ahead(trace: &Trace, layout: &Layout, classes: &[SlotClass], told: T
     let mut uses: HashMap<ExpertKey, Vec<usize>> = HashMap::new();
     for (i, b) in trace.batches.iter().enumerate() {
         for &e in &b.experts {
-            uses.entry((b.layer, e)).or_default().push(i);
+            uses.entry(ExpertKey::new(b.layer, e)).or_default().push(i);
         }
     }
     let n_slots: usize = classes.iter().map(|c| c.count).sum();
@@ -267,7 +267,7 @@ pub fn belady(trace: &Trace, layout: &Layout, classes: &[SlotClass], judged_from
     let mut next_use: Vec<Vec<usize>> = vec![Vec::new(); trace.batches.len()];
     let mut seen: HashMap<ExpertKey, usize> = HashMap::new();
     for (i, b) in trace.batches.iter().enumerate().rev() {
-        next_use[i] = b.experts.iter().map(|&e| seen.insert((b.layer, e), i).unwrap_or(usize::MAX)).collect();
+        next_use[i] = b.experts.iter().map(|&e| seen.insert(ExpertKey::new(b.layer, e), i).unwrap_or(usize::MAX)).collect();
     }
     // Per class: what it holds, by next use (farthest last).
     let mut held: Vec<BTreeSet<(usize, ExpertKey)>> = vec![BTreeSet::new(); classes.len()];
@@ -278,7 +278,7 @@ pub fn belady(trace: &Trace, layout: &Layout, classes: &[SlotClass], judged_from
         let set = &mut held[ll.class];
         let mut hits = 0;
         for (&e, &next) in b.experts.iter().zip(&next_use[i]) {
-            let key = (b.layer, e);
+            let key = ExpertKey::new(b.layer, e);
             if let Some(t) = when.insert(key, next) {
                 set.remove(&(t, key));
                 hits += 1;

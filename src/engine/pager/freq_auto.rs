@@ -129,8 +129,8 @@ impl Policy for FreqAuto {
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
         if let Some((layer, experts)) = &mut self.batch {
-            if *layer == key.0 && !experts.contains(&key.1) {
-                experts.push(key.1);
+            if *layer == key.layer && !experts.contains(&key.expert) {
+                experts.push(key.expert);
             }
         }
         self.live.used(slot, key);

@@ -52,13 +52,24 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
-/// (layer, expert)
-pub type ExpertKey = (u32, u32);
+/// One routed expert of one layer: what the pager reads, holds and evicts.
+/// Ordered by layer, then expert.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertKey {
+    pub layer: u32,
+    pub expert: u32,
+}
+
+impl ExpertKey {
+    pub const fn new(layer: u32, expert: u32) -> ExpertKey {
+        ExpertKey { layer, expert }
+    }
+}
 
 /// `key`'s cell of a table kept per layer, per expert (layers and experts
 /// are numbered from 0), the table grown with defaults to hold it.
 fn expert_cell<T: Clone + Default>(table: &mut Vec<Vec<T>>, key: ExpertKey) -> &mut T {
-    let (l, e) = (key.0 as usize, key.1 as usize);
+    let (l, e) = (key.layer as usize, key.expert as usize);
     if table.len() <= l {
         table.resize(l + 1, Vec::new());
     }
@@ -474,15 +485,17 @@ impl Pager {
         let mut st = sh.lock();
         let class = st.usable(&sh.arena, ll.class);
         for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
-            if st.res.slot_of((layer, e)).is_some() {
+            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
                 continue;
             }
             let victim = {
                 let (slots, res) = (&st.slots, &st.res);
-                res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some((l, _)) if l == current || l == layer))
+                res.victim(layer, class.clone(), &|s| {
+                    slots[s].pins == 0 && !matches!(res.key(s), Some(ExpertKey { layer: l, expert: _ }) if l == current || l == layer)
+                })
             };
             let Some(slot) = victim else { break };
-            let evicted = st.res.fill(slot, (layer, e));
+            let evicted = st.res.fill(slot, ExpertKey::new(layer, e));
             jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
             if for_prompt {
                 st.slots[slot].prompt_ahead = true;
@@ -507,7 +520,7 @@ impl Pager {
     /// in a slot and fully read.
     pub fn first_ready(&self, layer: u32, candidates: impl IntoIterator<Item = (usize, u32)>) -> Option<usize> {
         let st = self.shared.lock();
-        candidates.into_iter().find(|&(_, e)| st.res.slot_of((layer, e)).is_some_and(|s| st.slots[s].ready)).map(|(i, _)| i)
+        candidates.into_iter().find(|&(_, e)| st.res.slot_of(ExpertKey::new(layer, e)).is_some_and(|s| st.slots[s].ready)).map(|(i, _)| i)
     }
 
     /// Pins expert `expert` of `layer`, reading it into a slot on a miss
@@ -515,7 +528,7 @@ impl Pager {
     pub fn acquire(&self, layer: u32, expert: u32, count: Count) -> Result<PinnedExpert<'_>> {
         let sh = &*self.shared;
         let ll = self.layer(layer, expert)?;
-        let key = (layer, expert);
+        let key = ExpertKey::new(layer, expert);
         let mut st = sh.lock();
         // Failures numbered up to here happened before this acquire.
         let seen = st.failures;

@@ -254,8 +254,8 @@ impl Freq {
 
     /// `key`'s count now, after aging.
     fn count(&self, key: ExpertKey) -> f64 {
-        let (c, at) = self.counts.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().unwrap_or((0.0, 0));
-        c * decay(self.batches_of(key.0).saturating_sub(at))
+        let (c, at) = self.counts.get(key.layer as usize).and_then(|l| l.get(key.expert as usize)).copied().unwrap_or((0.0, 0));
+        c * decay(self.batches_of(key.layer).saturating_sub(at))
     }
 
     /// `slot`'s expert, its count, and whether it was filled and not used
@@ -272,7 +272,7 @@ impl Freq {
         let Some((key, count, _)) = self.held_expert(slot) else { return f64::INFINITY };
         // A count of c over a half-life of H batches is a rate of c·ln2/H per batch.
         let p = (count * std::f64::consts::LN_2 / FREQ_HALF_LIFE).clamp(1e-9, 1.0);
-        1.0 / p - 1.0 + self.until_run(key.0, n_layers)
+        1.0 / p - 1.0 + self.until_run(key.layer, n_layers)
     }
 
     /// `slot` now holds `to`: its score is to be found again, and with
@@ -283,10 +283,10 @@ impl Freq {
             self.slots[slot] = to;
             return;
         }
-        if let Some(((l, _), _)) = self.slots[slot] {
+        if let Some((ExpertKey { layer: l, expert: _ }, _)) = self.slots[slot] {
             self.held[l as usize] -= 1;
         }
-        if let Some(((l, _), _)) = to {
+        if let Some((ExpertKey { layer: l, expert: _ }, _)) = to {
             if self.held.len() <= l as usize {
                 self.held.resize(l as usize + 1, 0);
             }
@@ -304,7 +304,7 @@ impl Freq {
         }
         let mut held = vec![0usize; n];
         for s in slots.clone() {
-            if let Some(((l, _), _)) = self.slots[s] {
+            if let Some((ExpertKey { layer: l, expert: _ }, _)) = self.slots[s] {
                 held[l as usize] += 1;
             }
         }
@@ -339,9 +339,9 @@ impl Freq {
             // Filled and not used since (prefetched, preloaded): as if just used.
             _ if fresh => 1,
             0 => u64::MAX / 2,
-            last => (self.batches_of(key.0) + 1).saturating_sub(last),
+            last => (self.batches_of(key.layer) + 1).saturating_sub(last),
         };
-        let until = self.until_run(key.0, n_layers);
+        let until = self.until_run(key.layer, n_layers);
         // A use further ahead than this is worth under a seventeenth of one now.
         let runs = ((horizon - until).floor().max(0.0) as u64 + 1).min(MAX_REUSE_RUNS);
         let chance = r.table.chances(count);
@@ -389,7 +389,7 @@ impl Policy for Freq {
         if let Some(mut r) = self.reuse.take() {
             // The batch before this one is done: what its layer used is known.
             if let Some(done) = r.batch_layer() {
-                r.close_batch(|e| self.count((done, e)));
+                r.close_batch(|e| self.count(ExpertKey::new(done, e)));
             }
             r.begin_batch(layer, self.batches_of(layer) + 1);
             self.reuse = Some(r);
@@ -409,7 +409,7 @@ impl Policy for Freq {
     }
 
     fn used(&mut self, slot: SlotId, key: ExpertKey) {
-        let now = self.batches_of(key.0);
+        let now = self.batches_of(key.layer);
         if self.reuse.is_some() {
             let before = self.count(key);
             if let Some(r) = self.reuse.as_deref_mut() {
@@ -432,7 +432,7 @@ impl Policy for Freq {
         let mut out = Vec::new();
         for (l, experts) in self.counts.iter().enumerate() {
             for e in 0..experts.len() {
-                let key = (l as u32, e as u32);
+                let key = ExpertKey::new(l as u32, e as u32);
                 let c = self.count(key);
                 if c > 0.0 {
                     out.push((key, c));
@@ -446,7 +446,7 @@ impl Policy for Freq {
         // New counts: every slot's score is to be found again.
         self.score_cache.get_mut().0 = f64::NAN;
         for &(key, c) in counts {
-            *expert_cell(&mut self.counts, key) = (c, self.batches_of(key.0));
+            *expert_cell(&mut self.counts, key) = (c, self.batches_of(key.layer));
         }
     }
 
@@ -461,13 +461,13 @@ impl Policy for Freq {
             // At its share: its own, or what its layer no longer uses.
             self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
                 None => true,
-                Some((key, fresh)) => key.0 == layer || (!fresh && self.count(key) < LENDABLE_COUNT),
+                Some((key, fresh)) => key.layer == layer || (!fresh && self.count(key) < LENDABLE_COUNT),
             })
         } else {
             // Under its share: from a layer over its own.
             self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
                 None => true,
-                Some(((l, _), _)) => held[l as usize] > share,
+                Some((ExpertKey { layer: l, expert: _ }, _)) => held[l as usize] > share,
             })
         };
         // Nothing so allowed is evictable (pinned, or a prefetch that may
@@ -485,10 +485,10 @@ mod tests {
         let mut lru = Lru::new(4);
         for s in [0, 1, 2, 3] {
             lru.begin_batch(0);
-            lru.filled(s, (0, s as u32));
+            lru.filled(s, ExpertKey::new(0, s as u32));
         }
         lru.begin_batch(0);
-        lru.used(0, (0, 0));
+        lru.used(0, ExpertKey::new(0, 0));
         assert_eq!(lru.victim(0, 0..4, &|_| true), Some(1));
         assert_eq!(lru.victim(0, 0..4, &|s| s != 1), Some(2));
         assert_eq!(lru.victim(0, 2..4, &|_| true), Some(2));
@@ -498,7 +498,7 @@ mod tests {
         // Uses within one batch are one instant: the lowest slot goes first.
         lru.begin_batch(1);
         for s in [3, 2, 1] {
-            lru.used(s, (1, s as u32));
+            lru.used(s, ExpertKey::new(1, s as u32));
         }
         assert_eq!(lru.victim(0, 1..4, &|_| true), Some(1));
     }
@@ -509,25 +509,25 @@ mod tests {
         // Layer 0 uses expert 1 every token and 2, 3, 4… once each; layer 1 runs in between.
         for t in 0..20u32 {
             f.begin_batch(0);
-            f.filled(0, (0, 1));
-            f.used(0, (0, 1));
-            f.filled(1, (0, 10 + t));
-            f.used(1, (0, 10 + t));
+            f.filled(0, ExpertKey::new(0, 1));
+            f.used(0, ExpertKey::new(0, 1));
+            f.filled(1, ExpertKey::new(0, 10 + t));
+            f.used(1, ExpertKey::new(0, 10 + t));
             f.begin_batch(1);
-            f.filled(2, (1, 0));
-            f.used(2, (1, 0));
+            f.filled(2, ExpertKey::new(1, 0));
+            f.used(2, ExpertKey::new(1, 0));
         }
         // The one-off goes before the favourite, though both were just used.
         assert_eq!(f.victim(0, 0..2, &|_| true), Some(1));
         // Equal counts: layer 1 ran last, so its expert is needed last.
         let mut g = Freq::new(2);
         g.begin_batch(0);
-        g.used(0, (0, 5));
+        g.used(0, ExpertKey::new(0, 5));
         g.begin_batch(1);
-        g.used(1, (1, 5));
+        g.used(1, ExpertKey::new(1, 5));
         assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
         // A prefetched expert counts as used once; an empty slot goes first.
-        g.filled(0, (0, 6));
+        g.filled(0, ExpertKey::new(0, 6));
         g.forget(1);
         assert_eq!(g.victim(0, 0..2, &|_| true), Some(1));
         assert_eq!(g.victim(0, 0..2, &|s| s == 0), Some(0));
@@ -535,8 +535,8 @@ mod tests {
         let mut h = Freq::new(2);
         h.learn(&f.counts());
         assert_eq!(h.counts(), f.counts());
-        h.filled(0, (0, 1));
-        h.filled(1, (0, 29));
+        h.filled(0, ExpertKey::new(0, 1));
+        h.filled(1, ExpertKey::new(0, 29));
         assert_eq!(h.victim(0, 0..2, &|_| true), Some(1), "the favourite's history came along");
     }
 
@@ -547,20 +547,20 @@ mod tests {
         let mut f = Freq::with_shares(4, &plan);
         let use_in = |f: &mut Freq, slot: SlotId, key: ExpertKey, times: u32| {
             for _ in 0..times {
-                f.begin_batch(key.0);
+                f.begin_batch(key.layer);
                 f.filled(slot, key);
                 f.used(slot, key);
             }
         };
         // Layer 0 holds two favourites, layer 1 two experts used less.
-        use_in(&mut f, 0, (0, 1), 8);
-        use_in(&mut f, 1, (0, 2), 6);
-        use_in(&mut f, 2, (1, 1), 3);
-        use_in(&mut f, 3, (1, 2), 2);
+        use_in(&mut f, 0, ExpertKey::new(0, 1), 8);
+        use_in(&mut f, 1, ExpertKey::new(0, 2), 6);
+        use_in(&mut f, 2, ExpertKey::new(1, 1), 3);
+        use_in(&mut f, 3, ExpertKey::new(1, 2), 2);
         // Without shares, layer 0's miss would take layer 1's least used.
         let mut whole = Freq::with_shares(4, &plan);
         whole.shares_on = false;
-        for (slot, key, n) in [(0, (0, 1), 8), (1, (0, 2), 6), (2, (1, 1), 3), (3, (1, 2), 2)] {
+        for (slot, key, n) in [(0, ExpertKey::new(0, 1), 8), (1, ExpertKey::new(0, 2), 6), (2, ExpertKey::new(1, 1), 3), (3, ExpertKey::new(1, 2), 2)] {
             use_in(&mut whole, slot, key, n);
         }
         assert_eq!(whole.victim(0, 0..4, &|_| true), Some(3));
@@ -572,14 +572,14 @@ mod tests {
         // Layer 1 holding 3 of 4 slots, layer 0 (under its share) takes
         // layer 1's least used, though its own in slot 0 is used less.
         f.forget(1);
-        f.filled(1, (1, 9));
+        f.filled(1, ExpertKey::new(1, 9));
         for _ in 0..4 {
             f.begin_batch(1);
-            f.used(1, (1, 9));
+            f.used(1, ExpertKey::new(1, 9));
         }
         f.forget(0);
-        f.filled(0, (0, 5));
-        f.used(0, (0, 5));
+        f.filled(0, ExpertKey::new(0, 5));
+        f.used(0, ExpertKey::new(0, 5));
         f.begin_batch(0);
         assert_eq!(f.victim(0, 0..4, &|_| true), Some(3));
         // The held counts kept as slots change are those of a scan; a part
@@ -590,16 +590,16 @@ mod tests {
         assert_eq!(&f.held_in(0, &(0..4))[..2], &[0, 3]);
         // An expert used once long ago is lent to any layer.
         let mut g = Freq::with_shares(4, &plan);
-        use_in(&mut g, 0, (0, 1), 8);
-        use_in(&mut g, 1, (0, 2), 6);
-        use_in(&mut g, 2, (1, 1), 1);
-        use_in(&mut g, 3, (1, 2), 6);
+        use_in(&mut g, 0, ExpertKey::new(0, 1), 8);
+        use_in(&mut g, 1, ExpertKey::new(0, 2), 6);
+        use_in(&mut g, 2, ExpertKey::new(1, 1), 1);
+        use_in(&mut g, 3, ExpertKey::new(1, 2), 6);
         for _ in 0..10 {
             g.begin_batch(1);
-            g.used(3, (1, 2));
+            g.used(3, ExpertKey::new(1, 2));
         }
         g.begin_batch(0);
-        assert!(g.count((1, 1)) < LENDABLE_COUNT);
+        assert!(g.count(ExpertKey::new(1, 1)) < LENDABLE_COUNT);
         assert_eq!(g.victim(0, 0..4, &|_| true), Some(2));
     }
 }

@@ -59,10 +59,10 @@ impl Shared {
     /// given it (it held `evicted`): pinned by the load until every part is
     /// read. Returns the read jobs.
     pub(super) fn start_load(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, evicted: Option<ExpertKey>, keep_pin: bool) -> Vec<Job> {
-        debug_assert_eq!(st.res.key(slot), Some((ll.layer, expert)));
+        debug_assert_eq!(st.res.key(slot), Some(ExpertKey::new(ll.layer, expert)));
         if let Some(old) = evicted {
             if st.slots[slot].prefetched {
-                st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
+                st.counts.get_mut(&old.layer).expect("layer counted").prefetch_wasted += 1;
             }
         }
         debug_assert!(!st.slots[slot].retired, "slot {slot} is retired");
@@ -201,7 +201,7 @@ impl Shared {
     /// Reads warm-start expert `key` into a free slot of its class, on this
     /// reader thread; nothing if it is held already or no slot is free.
     pub(super) fn warm_one(&self, key: ExpertKey) {
-        let ll = &self.layout.layers[&key.0];
+        let ll = &self.layout.layers[&key.layer];
         let jobs = {
             let mut st = self.lock();
             if st.res.slot_of(key).is_some() {
@@ -209,9 +209,9 @@ impl Shared {
             }
             let Some(slot) = st.usable(&self.arena, ll.class).find(|&s| st.res.key(s).is_none() && st.slots[s].pins == 0) else { return };
             let evicted = st.res.fill(slot, key);
-            let jobs = self.start_load(&mut st, slot, ll, key.1, evicted, false);
+            let jobs = self.start_load(&mut st, slot, ll, key.expert, evicted, false);
             st.slots[slot].prefetched = true;
-            st.counts.get_mut(&key.0).expect("layer counted").preloaded += 1;
+            st.counts.get_mut(&key.layer).expect("layer counted").preloaded += 1;
             st.warm_read += 1;
             jobs
         };
@@ -321,7 +321,7 @@ impl Shared {
 
     pub(super) fn finish_part(&self, job: &Job, result: Result<()>) {
         let mut st = self.lock();
-        let key = (job.layer, job.expert);
+        let key = ExpertKey::new(job.layer, job.expert);
         if let Some(id) = st.slots[job.slot].batch {
             let done = st.batches.get_mut(&id).map(|b| {
                 b.1 -= 1;
@@ -380,7 +380,7 @@ impl Shared {
         }
         if let Some(old) = st.res.key(slot) {
             if s.prefetched {
-                st.counts.get_mut(&old.0).expect("layer counted").prefetch_wasted += 1;
+                st.counts.get_mut(&old.layer).expect("layer counted").prefetch_wasted += 1;
             }
             st.res.clear(slot);
         }

@@ -51,7 +51,7 @@ impl Residency {
 
     /// The slot holding (or being filled with) `key`.
     pub fn slot_of(&self, key: ExpertKey) -> Option<SlotId> {
-        self.table.get(key.0 as usize).and_then(|l| l.get(key.1 as usize)).copied().flatten()
+        self.table.get(key.layer as usize).and_then(|l| l.get(key.expert as usize)).copied().flatten()
     }
 
     /// What `slot` holds (or is being filled with).
@@ -79,9 +79,9 @@ impl Residency {
         for &e in experts {
             batch[e as usize] = true;
         }
-        let in_batch = |keys: &[Option<ExpertKey>], s: SlotId| matches!(keys[s], Some((l, e)) if l == layer && batch.get(e as usize) == Some(&true));
+        let in_batch = |keys: &[Option<ExpertKey>], s: SlotId| matches!(keys[s], Some(ExpertKey { layer: l, expert: e }) if l == layer && batch.get(e as usize) == Some(&true));
         for &e in experts {
-            let key = (layer, e);
+            let key = ExpertKey::new(layer, e);
             if let Some(slot) = self.slot_of(key) {
                 self.policy.used(slot, key);
                 out.hits.push((e, slot));
@@ -108,7 +108,7 @@ impl Residency {
         let adm = self.admit(layer, class.clone(), experts, &|_| true);
         for &e in &adm.deferred {
             let slot = self.victim(layer, class.clone(), &|_| true).expect("a class has slots");
-            self.fill(slot, (layer, e));
+            self.fill(slot, ExpertKey::new(layer, e));
             self.used(slot);
         }
         adm
@@ -182,16 +182,16 @@ mod tests {
         assert_eq!((a.hits.len(), a.fills.len(), a.deferred.len()), (0, 2, 0));
         // 6 is held; 7 and 8 need two slots but only one holds nothing of the batch.
         let a = r.admit(0, 0..3, &[6, 7, 8], &|_| true);
-        assert_eq!(a.hits, vec![(6, r.slot_of((0, 6)).unwrap())]);
+        assert_eq!(a.hits, vec![(6, r.slot_of(ExpertKey::new(0, 6)).unwrap())]);
         assert_eq!(a.fills.len(), 2);
-        assert_eq!(a.fills[1].evicted, Some((0, 5)));
+        assert_eq!(a.fills[1].evicted, Some(ExpertKey::new(0, 5)));
         assert_eq!(a.deferred, Vec::<u32>::new());
         let a = r.admit(1, 0..3, &[1, 2, 3, 4], &|s| s != 0);
         assert_eq!(a.fills.len(), 2, "slot 0 is not evictable");
         assert_eq!(a.deferred, vec![3, 4]);
         assert_eq!(r.len(), 3);
         r.clear(a.fills[0].slot);
-        assert_eq!(r.slot_of((1, 1)), None);
+        assert_eq!(r.slot_of(ExpertKey::new(1, 1)), None);
         assert_eq!(r.victim(0, 0..3, &|_| true), Some(a.fills[0].slot));
     }
 }

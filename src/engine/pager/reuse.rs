@@ -11,6 +11,8 @@
 //! from its single-token batches; every cell starts at 1, with nothing
 //! fitted to one model.
 
+use super::ExpertKey;
+
 /// Recency buckets: batches of its layer from the last use to the batch
 /// judged, 1 to `SINCE_BUCKETS` (the last holds everything older).
 const SINCE_BUCKETS: usize = 8;
@@ -123,13 +125,13 @@ impl Reuse {
     }
 
     /// `key`'s layer's last batch it was used in (0: never).
-    pub fn last_use(&self, key: (u32, u32)) -> u64 {
-        self.last.get(key.0 as usize).and_then(|v| v.get(key.1 as usize)).copied().unwrap_or(0)
+    pub fn last_use(&self, key: ExpertKey) -> u64 {
+        self.last.get(key.layer as usize).and_then(|v| v.get(key.expert as usize)).copied().unwrap_or(0)
     }
 
     /// The batch under way uses `key`, whose count was `count` before it.
-    pub fn used(&mut self, key: (u32, u32), count: f64) {
-        let Some((_, index, used)) = self.batch.as_mut().filter(|b| b.0 == key.0) else { return };
+    pub fn used(&mut self, key: ExpertKey, count: f64) {
+        let Some((_, index, used)) = self.batch.as_mut().filter(|b| b.0 == key.layer) else { return };
         let last = super::expert_cell(&mut self.last, key);
         if *last != *index {
             used.push((*last, count));
@@ -191,26 +193,29 @@ mod tests {
         let mut r = Reuse::new(64.0, 2);
         // Batch 1 of layer 0 uses experts 0 and 1; batch 2 uses 0 and 2.
         r.begin_batch(0, 1);
-        r.used((0, 0), 0.0);
-        r.used((0, 1), 0.0);
+        r.used(ExpertKey::new(0, 0), 0.0);
+        r.used(ExpertKey::new(0, 1), 0.0);
         r.close_batch(|_| 1.0);
         r.begin_batch(0, 2);
-        r.used((0, 0), 1.0);
-        r.used((0, 0), 1.0);
-        r.used((0, 2), 0.0);
+        r.used(ExpertKey::new(0, 0), 1.0);
+        r.used(ExpertKey::new(0, 0), 1.0);
+        r.used(ExpertKey::new(0, 2), 0.0);
         r.close_batch(|_| 1.0);
         // Expert 0 came back after one batch, expert 1 did not.
         let rate = r.table.rate(1.0);
         assert_eq!((r.table.expected[0][2], r.table.used[0][2]), (2.0 * rate, 1.0));
-        assert_eq!((r.last_use((0, 0)), r.last_use((0, 1)), r.last_use((0, 2)), r.last_use((1, 0))), (2, 1, 2, 0));
+        assert_eq!(
+            (r.last_use(ExpertKey::new(0, 0)), r.last_use(ExpertKey::new(0, 1)), r.last_use(ExpertKey::new(0, 2)), r.last_use(ExpertKey::new(1, 0))),
+            (2, 1, 2, 0)
+        );
         // Three experts in a batch of a top-2 model: a prompt's, not learned.
         r.begin_batch(0, 3);
         for e in [0, 1, 3] {
-            r.used((0, e), 1.0);
+            r.used(ExpertKey::new(0, e), 1.0);
         }
         r.close_batch(|_| 1.0);
         assert_eq!(r.table.expected.iter().flatten().sum::<f64>(), 2.0 * rate);
-        assert_eq!(r.last_use((0, 3)), 3, "its uses still count as uses");
+        assert_eq!(r.last_use(ExpertKey::new(0, 3)), 3, "its uses still count as uses");
         assert_eq!(r.horizon(8, 1), 4.0);
     }
 }

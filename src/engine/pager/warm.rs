@@ -21,11 +21,11 @@ impl Pager {
         let mut queued = 0;
         for ll in sh.layout.layers.values() {
             for e in 0..ll.n_expert {
-                if st.res.slot_of((ll.layer, e)).is_some() {
+                if st.res.slot_of(ExpertKey::new(ll.layer, e)).is_some() {
                     continue;
                 }
                 let Some(slot) = free[ll.class].pop_front() else { break };
-                let evicted = st.res.fill(slot, (ll.layer, e));
+                let evicted = st.res.fill(slot, ExpertKey::new(ll.layer, e));
                 jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
                 st.slots[slot].prefetched = true;
                 st.counts.get_mut(&ll.layer).expect("layer counted").preloaded += 1;
@@ -50,11 +50,11 @@ impl Pager {
             st
         };
         let count: HashMap<ExpertKey, f64> = counts.iter().copied().collect();
-        let mut wanted: Vec<ExpertKey> = held.iter().copied().filter(|k| sh.layout.layers.get(&k.0).is_some_and(|l| k.1 < l.n_expert)).collect();
+        let mut wanted: Vec<ExpertKey> = held.iter().copied().filter(|k| sh.layout.layers.get(&k.layer).is_some_and(|l| k.expert < l.n_expert)).collect();
         wanted.sort_by(|a, b| count.get(b).unwrap_or(&0.0).total_cmp(count.get(a).unwrap_or(&0.0)).then(a.cmp(b)));
         let mut room: Vec<usize> = (0..sh.arena.classes().len()).map(|c| st.usable(&sh.arena, c).filter(|&s| st.res.key(s).is_none()).count()).collect();
         wanted.retain(|&k| {
-            let class = sh.layout.layers[&k.0].class;
+            let class = sh.layout.layers[&k.layer].class;
             let fits = st.res.slot_of(k).is_none() && room[class] > 0;
             room[class] -= usize::from(fits);
             fits
@@ -62,8 +62,8 @@ impl Pager {
         drop(st);
         // In file order (by each expert's first part), which the disk reads best.
         wanted.sort_by_cached_key(|&key| {
-            let first = &sh.layout.layers[&key.0].parts[0];
-            (first.path.clone(), first.file_offset(key.1))
+            let first = &sh.layout.layers[&key.layer].parts[0];
+            (first.path.clone(), first.file_offset(key.expert))
         });
         let n = wanted.len();
         let mut q = sh.queue.lock().unwrap_or_else(|p| p.into_inner());

@@ -119,7 +119,7 @@ impl HotSet {
             if !seen.insert((layer, expert)) {
                 return Err(bad(n, format!("expert {expert} of layer {layer} is listed twice")));
             }
-            set.experts.push(HotExpert { key: (layer, expert), count, held });
+            set.experts.push(HotExpert { key: ExpertKey::new(layer, expert), count, held });
         }
         if !header {
             return Err(bad(n.max(1), format!("no header '{HEADER}'")));
@@ -136,7 +136,7 @@ impl HotSet {
         s += HEADER;
         s.push('\n');
         for e in &self.experts {
-            s += &format!("{},{},{},{}\n", e.key.0, e.key.1, e.count, u8::from(e.held));
+            s += &format!("{},{},{},{}\n", e.key.layer, e.key.expert, e.count, u8::from(e.held));
         }
         s
     }
@@ -176,7 +176,7 @@ mod tests {
     fn saved_hot_sets_read_back() {
         let set = HotSet {
             layers: [(0, (100, 8)), (2, (200, 8))].into_iter().collect(),
-            experts: vec![HotExpert { key: (0, 3), count: 2.5, held: true }, HotExpert { key: (2, 7), count: 0.125, held: false }],
+            experts: vec![HotExpert { key: ExpertKey::new(0, 3), count: 2.5, held: true }, HotExpert { key: ExpertKey::new(2, 7), count: 0.125, held: false }],
         };
         assert_eq!(read(&set.to_text()).unwrap(), set);
         let dir = std::env::temp_dir().join(format!("sdq-hot-{}", std::process::id()));
