@@ -16,6 +16,9 @@
 //!   `replay`, `limit`, `eval`, `bench-disk`), which use the engine's pieces
 //!   but are never part of a tool's process.
 //!
+//! Beside them, [`error`] (the crate's error type) and [`units`] (sizes
+//! parsed and shown), which everything may use.
+//!
 //! `src/bin/` holds one thin `main` per binary. The C++ side talks to the
 //! engine through one header, `shim/sdq-hooks.h`.
 
@@ -26,5 +29,6 @@ pub mod commands;
 pub mod engine;
 pub mod error;
 pub mod host;
+pub mod units;
 
 pub use error::{Error, Result};

@@ -46,8 +46,8 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     for p in &parts {
-        if let Ok(n) = sdq::engine::memory::budget::parse_size(p) {
-            let _ = sdq::engine::memory::budget::human(n);
+        if let Ok(n) = sdq::units::parse_size(p) {
+            let _ = sdq::units::human(n);
         }
         let _ = sdq::engine::pager::io::FaultPlan::parse(p);
     }

@@ -67,7 +67,7 @@ fn bench_disk(a: BenchDiskArgs) -> sdq::Result<()> {
     let sizes = a
         .sizes
         .iter()
-        .map(|s| sdq::engine::memory::budget::parse_size(s).map(|n| n as usize).map_err(|e| sdq::Error::flag("--sizes", format!("--sizes: {e}"))))
+        .map(|s| sdq::units::parse_size(s).map(|n| n as usize).map_err(|e| sdq::Error::flag("--sizes", format!("--sizes: {e}"))))
         .collect::<sdq::Result<Vec<_>>>()?;
     for m in &a.modes {
         let mode = match m.as_str() {
@@ -115,7 +115,7 @@ struct LimitArgs {
 }
 
 fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
-    let bytes = sdq::engine::memory::budget::parse_size(&a.memory).map_err(|e| sdq::Error::flag("--memory", format!("--memory: {e}")))?;
+    let bytes = sdq::units::parse_size(&a.memory).map_err(|e| sdq::Error::flag("--memory", format!("--memory: {e}")))?;
     if let Some(pid) = a.pid {
         if !(0.0..=3600.0).contains(&a.wait) {
             return Err(sdq::Error::flag("--wait", format!("--wait: {} is not 0 to 3600 seconds", a.wait)));
@@ -128,11 +128,8 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
         }
         return Ok(ExitCode::SUCCESS);
     }
-    let read_rate = a
-        .read_rate
-        .as_deref()
-        .map(|r| sdq::engine::memory::budget::parse_size(r).map_err(|e| sdq::Error::flag("--read-rate", format!("--read-rate: {e}"))))
-        .transpose()?;
+    let read_rate =
+        a.read_rate.as_deref().map(|r| sdq::units::parse_size(r).map_err(|e| sdq::Error::flag("--read-rate", format!("--read-rate: {e}")))).transpose()?;
     let r = sdq::commands::limit::run_limited(bytes, read_rate, &a.command)?;
     let text = serde_json::to_string_pretty(&r).expect("serialize");
     match &a.report {
@@ -192,7 +189,7 @@ fn replay(a: ReplayArgs) -> sdq::Result<()> {
     let mut sizes = a
         .ram_budget
         .iter()
-        .map(|s| sdq::engine::memory::budget::parse_size(s).map_err(|e| sdq::Error::flag("--ram-budget", format!("--ram-budget: {e}"))))
+        .map(|s| sdq::units::parse_size(s).map_err(|e| sdq::Error::flag("--ram-budget", format!("--ram-budget: {e}"))))
         .collect::<sdq::Result<Vec<u64>>>()?;
     for &c in &a.cycles {
         if !(c.is_finite() && c > 0.0 && c < 1e6) {
@@ -315,7 +312,7 @@ fn demo(a: DemoArgs) -> sdq::Result<()> {
     if let Some(m) = a.model {
         o.model = m;
     }
-    o.budget = sdq::engine::memory::budget::parse_size(&a.budget).map_err(|e| sdq::Error::flag("--budget", format!("--budget: {e}")))?;
+    o.budget = sdq::units::parse_size(&a.budget).map_err(|e| sdq::Error::flag("--budget", format!("--budget: {e}")))?;
     o.n_predict = a.n_predict;
     if let Some(p) = a.prompt {
         o.prompt = p;
@@ -568,7 +565,7 @@ fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
         spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
     }
     let split_max_bytes = match &a.split_max_size {
-        Some(s) => match sdq::engine::memory::budget::parse_size(s) {
+        Some(s) => match sdq::units::parse_size(s) {
             Ok(0) | Err(_) => return Err(sdq::Error::flag("--split-max-size", format!("--split-max-size: '{s}' is not a size (e.g. 50G, 4000M)"))),
             Ok(n) => Some(n),
         },

@@ -4,8 +4,8 @@
 //! and shows that the text is the same and what the pager did.
 
 use crate::commands::genmodel::{self, GenOptions, ModelSpec};
-use crate::engine::memory::budget::{human, parse_size};
 use crate::error::{Error, Result};
+use crate::units::{human, parse_size};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 

@@ -7,12 +7,13 @@
 //! which read the same figures.
 
 use crate::engine::ffi::ggml::WeightLayout;
-use crate::engine::memory::budget::{self, human, MIB};
+use crate::engine::memory::budget;
 use crate::engine::model::accounting::projector_memory;
 use crate::engine::model::gguf::{Gguf, TensorInfo};
 use crate::engine::pager::arena::slot_bytes;
 use crate::engine::pager::layout::{Layout, PagedTensor, Part};
 use crate::error::{Error, Result};
+use crate::units::{human, MIB};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

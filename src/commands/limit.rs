@@ -89,9 +89,9 @@ pub fn change_limit(pid: u32, limit: u64, wait: std::time::Duration) -> Result<V
             let _ = write(soft, &restore);
             return Err(Error::invalid(format!(
                 "{e}: process {pid} still holds {} of anonymous memory after {:.1} s (the limit asked for is {}); the old limits stay",
-                crate::engine::memory::budget::human(anon_bytes(&dir, v).unwrap_or(0)),
+                crate::units::human(anon_bytes(&dir, v).unwrap_or(0)),
                 started.elapsed().as_secs_f64(),
-                crate::engine::memory::budget::human(limit)
+                crate::units::human(limit)
             )));
         }
     } else {

@@ -462,7 +462,7 @@ impl Report {
 
     /// A table: one row per arena size and policy, then the bound.
     pub fn render(&self) -> String {
-        use crate::engine::memory::budget::human;
+        use crate::units::human;
         let mut out = format!(
             "{}: {} paged layers, top-{}, {} prompt and {} decode steps; token cycle {} (Σ top-k × arena slot per expert)\n",
             self.trace,

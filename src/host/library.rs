@@ -43,5 +43,5 @@ pub fn init_from_env() {
     // The stats file and the summary line when the host program exits.
     // SAFETY: registering a plain extern "C" function with no state.
     unsafe { libc::atexit(crate::host::tools::finish_runtime) };
-    log::info!("libllama: routed experts are paged within {}", crate::engine::memory::budget::human(budget));
+    log::info!("libllama: routed experts are paged within {}", crate::units::human(budget));
 }

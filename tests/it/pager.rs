@@ -650,9 +650,9 @@ fn resident_weights_are_counted_against_the_budget() {
     assert!(u(&mapped, "rss_anon_after_load_bytes") < u(&loaded, "rss_anon_after_load_bytes") - (resident - embd));
 }
 
-/// A prompt that reads its experts once per ubatch, in an arena smaller
-/// than what it touches, gets one line naming a larger `-ub` whose compute
-/// buffers fit the budget. The flags are never changed: run with that `-ub`
+/// A prompt computed one ubatch at a time (`SDQ_GROUP=1`) that reads its
+/// experts once per ubatch, in an arena smaller than what it touches, gets
+/// one line naming a larger `-ub` whose compute buffers fit the budget. The flags are never changed: run with that `-ub`
 /// it reads less and stays inside the budget, and every run gives stock's
 /// tokens and logits with its own flags.
 #[test]
@@ -662,23 +662,13 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     // compute buffers a larger one needs (the logits of a 151k vocabulary).
     let model =
         gen_model("hint-flat.gguf", &["--preset", "tiny", "--experts", "256", "--top-k", "8", "--expert-ff", "1024", "--router-skew", "0", "--seed", "3"]);
-    // About 1,000 tokens of made-up words, so that the prompt is not a few tokens repeated.
-    let mut x = 7u64;
-    let words: Vec<String> = (0..400)
-        .map(|_| {
-            (0..2 + x % 6)
-                .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                    (b'a' + (x >> 33) as u8 % 26) as char
-                })
-                .collect()
-        })
-        .collect();
+    // About 1,000 tokens of made-up words.
     let prompt = scratch().join("hint-prompt.txt");
-    std::fs::write(&prompt, words.join(" ")).unwrap();
+    std::fs::write(&prompt, made_up_words(400, 7)).unwrap();
     let run_eval = |ubatch: &str, budget: Option<&str>, tag: &str| {
         let (logits, stats) = (scratch().join(format!("hint-{tag}.bin")), scratch().join(format!("hint-{tag}.json")));
         let mut cmd = Command::new(bin("sdq"));
+        cmd.env("SDQ_GROUP", "1");
         cmd.args(["eval", "-m", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", ubatch]);
         cmd.args(["--logits", logits.to_str().unwrap()]);
         if let Some(b) = budget {
@@ -714,6 +704,62 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     let read = |s: &Value| u(&s["prompt"], "bytes_read");
     assert!((read(&after) as f64) < 0.8 * read(&before) as f64, "-ub {ub} read {} B of experts for the prompt, -ub 128 {}", read(&after), read(&before));
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
+}
+
+/// An arena smaller than one layer's experts still computes a batch's
+/// ubatches together, layer by layer: it holds the experts they touch at a
+/// layer (routing that favours some), so the prompt reads far less than one
+/// ubatch at a time (`SDQ_GROUP=1`), and both give stock's tokens and
+/// logits with the same flags.
+#[test]
+fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
+    let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
+    let prompt = scratch().join("group-small-arena.txt");
+    std::fs::write(&prompt, made_up_words(400, 5)).unwrap();
+    let run_eval = |budget: Option<&str>, env: &[(&str, &str)], tag: &str| {
+        let (logits, stats) = (scratch().join(format!("group-small-{tag}.bin")), scratch().join(format!("group-small-{tag}.json")));
+        let mut cmd = Command::new(bin("sdq"));
+        cmd.envs(env.iter().copied());
+        cmd.args([
+            "eval",
+            "-m",
+            model.to_str().unwrap(),
+            "--prompt-file",
+            prompt.to_str().unwrap(),
+            "-n",
+            "4",
+            "-c",
+            "2048",
+            "--ubatch",
+            "128",
+            "--batch",
+            "2048",
+        ]);
+        cmd.args(["--logits", logits.to_str().unwrap()]);
+        if let Some(b) = budget {
+            cmd.args(["--ram-budget", b, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]);
+        }
+        let o = run(&mut cmd, 300);
+        assert!(o.status.success(), "{tag}: {}", stderr(&o));
+        let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
+        let stats: Value = budget.map_or(Value::Null, |_| serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap());
+        (json["tokens"].clone(), logits, stats)
+    };
+    let (_, _, probe) = run_eval(Some("1G"), &[], "probe");
+    // One layer's experts in each slot class (the tiny preset's layers
+    // differ in their down tensor's type): an arena of three quarters of that.
+    let layer: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * 128).sum();
+    let budget = budget_for(&probe, 64 * MIB, layer * 3 / 4);
+    let (stock_tokens, stock_logits, _) = run_eval(None, &[], "stock");
+    let (tokens, logits, grouped) = run_eval(Some(&budget), &[], "grouped");
+    let (alone_tokens, alone_logits, alone) = run_eval(Some(&budget), &[("SDQ_GROUP", "1")], "alone");
+    assert!(u(&grouped, "arena_bytes") < layer, "the arena holds a whole layer: {grouped}");
+    assert!(u(&grouped["prompt_groups"], "groups") >= 1 && u(&grouped["prompt_groups"], "ubatches") >= 3, "not grouped: {grouped}");
+    assert_eq!((&tokens, max_abs_diff(&logits, &stock_logits)), (&stock_tokens, 0.0), "grouped against stock");
+    assert_eq!((&alone_tokens, max_abs_diff(&alone_logits, &stock_logits)), (&stock_tokens, 0.0), "one ubatch at a time against stock");
+    let read = |s: &Value| u(&s["prompt"], "bytes_read") as f64;
+    assert!(read(&grouped) < 0.7 * read(&alone), "grouped read {} B, one ubatch at a time {} B", read(&grouped), read(&alone));
 }
 
 /// llama-bench computes each prompt several times from its start (a

@@ -409,3 +409,20 @@ pub fn stats_when(path: &Path, secs: u64, what: &str, cond: impl Fn(&serde_json:
         None => panic!("{what}: no stats file {} within {secs} s", path.display()),
     })
 }
+
+/// `n` made-up words of 2 to 7 letters from `seed`: a prompt that is not a
+/// few tokens repeated (about 2.5 tokens a word).
+pub fn made_up_words(n: usize, seed: u64) -> String {
+    let mut x = seed;
+    let words: Vec<String> = (0..n)
+        .map(|_| {
+            (0..2 + x % 6)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (b'a' + (x >> 33) as u8 % 26) as char
+                })
+                .collect()
+        })
+        .collect();
+    words.join(" ")
+}

@@ -242,9 +242,9 @@ fn check_free_space(out: &Path, need: u64) -> Result<()> {
         return Err(Error::invalid(format!(
             "not enough free space for {}: the model needs {}, and {} has {} free",
             out.display(),
-            crate::engine::memory::budget::human(need),
+            crate::units::human(need),
             dir.display(),
-            crate::engine::memory::budget::human(free)
+            crate::units::human(free)
         )));
     }
     Ok(())

@@ -12,9 +12,9 @@
 //! they asked for, with a notice; an unlimited cache cannot be held to any
 //! budget and is an error.
 
-use crate::engine::memory::budget::{human, MIB};
 use crate::engine::model::gguf::{Gguf, Value};
 use crate::error::{Error, Result};
+use crate::units::{human, MIB};
 use std::collections::BTreeSet;
 
 /// Upstream's limit on checkpoints per slot (`common_params::n_ctx_checkpoints`).

@@ -12,8 +12,8 @@
 use super::arena::slot_bytes;
 use super::io::{FileStamp, DIRECT_ALIGN};
 use crate::engine::ffi::ggml::{GgmlType, WeightLayout};
-use crate::engine::memory::budget::human;
 use crate::error::{Error, Result};
+use crate::units::human;
 use std::collections::BTreeMap;
 use std::fs::File;
 use std::path::PathBuf;

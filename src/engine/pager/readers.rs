@@ -117,7 +117,7 @@ impl Shared {
             log::info!("arena not populated ahead of use: {e}");
             return;
         }
-        log::info!("arena of {} populated in {:.1} s", crate::engine::memory::budget::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
+        log::info!("arena of {} populated in {:.1} s", crate::units::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
     }
 
     /// The idle-priority populater: faults slots in, in the order free slots
@@ -180,11 +180,7 @@ impl Shared {
                 }
             }
         }
-        log::info!(
-            "arena of {} populated in the background in {:.1} s",
-            crate::engine::memory::budget::human(self.arena.len() as u64),
-            started.elapsed().as_secs_f64()
-        );
+        log::info!("arena of {} populated in the background in {:.1} s", crate::units::human(self.arena.len() as u64), started.elapsed().as_secs_f64());
     }
 
     /// Moves the queued prefetch reads of `slot` ahead of every other read:

@@ -3,8 +3,8 @@
 //! The host never reads or sends those weights' bytes.
 
 use super::{file_id, Refusal, CLAIMED_BYTES};
-use crate::engine::memory::budget::human;
 use crate::engine::pager::layout::PagedTensor;
+use crate::units::human;
 use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Mutex;

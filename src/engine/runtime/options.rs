@@ -6,8 +6,8 @@
 //! are taken out of argv before upstream's parser sees it; flags win over
 //! the environment.
 
-use crate::engine::memory::budget::{parse_size, MIB};
 use crate::error::{Error, Result};
+use crate::units::{parse_size, MIB};
 use std::ffi::OsString;
 use std::path::PathBuf;
 
@@ -115,7 +115,7 @@ fn budget_of(flag: &str, value: &str) -> Result<u64> {
     if is_auto(value) {
         let (bytes, source) = crate::engine::memory::budget::auto_budget()
             .ok_or_else(|| Error::flag(flag, format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
-        eprintln!("sdq: {flag} auto = {} ({source})", crate::engine::memory::budget::human(bytes));
+        eprintln!("sdq: {flag} auto = {} ({source})", crate::units::human(bytes));
         return Ok(bytes);
     }
     size_of(flag, value)
@@ -326,7 +326,7 @@ impl Options {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::memory::budget::GIB;
+    use crate::units::GIB;
 
     fn parse(args: &[&str], env: &[(&str, &str)]) -> (Result<Options>, Vec<String>) {
         let mut a: Vec<OsString> = args.iter().map(OsString::from).collect();

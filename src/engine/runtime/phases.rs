@@ -40,7 +40,7 @@ pub struct PhaseTotals {
 
 impl PhaseTotals {
     pub fn to_json(&self) -> serde_json::Value {
-        const MIB: f64 = crate::engine::memory::budget::MIB as f64;
+        const MIB: f64 = crate::units::MIB as f64;
         let lookups = self.hits + self.misses;
         let share = |n: u64| if lookups > 0 { n as f64 / lookups as f64 } else { 0.0 };
         serde_json::json!({
@@ -180,7 +180,7 @@ impl PromptRun {
     /// "a prompt of N tokens ran in S `steps` M and read X of experts, R
     /// times the Y it touched", for the hints.
     pub fn what_it_read(&self, steps: &str) -> String {
-        use crate::engine::memory::budget::human;
+        use crate::units::human;
         format!(
             "a prompt of {} tokens ran in {} {steps} {} and read {} of experts, {:.1} times the {} it touched",
             self.tokens,

@@ -2,12 +2,13 @@
 //! memory, what is left of the budget becomes the pager's slots.
 
 use super::{geometry, Runtime};
-use crate::engine::memory::budget::{self, human, ProcMemory};
+use crate::engine::memory::budget::{self, ProcMemory};
 use crate::engine::model::accounting::{projector_memory, Projector};
 use crate::engine::pager::io::ExpertReader;
 use crate::engine::pager::layout::Layout;
 use crate::engine::pager::Pager;
 use crate::error::Error;
+use crate::units::human;
 use std::sync::atomic::Ordering;
 
 /// How the pager was sized.

@@ -6,8 +6,8 @@
 //! arena gives back, down to one layer's top-k; when room returns, it grows
 //! back to its plan. The runtime's memory thread polls `Watch::poll`.
 
-use crate::engine::memory::budget::{human, MIB};
 use crate::engine::pager::Pager;
+use crate::units::{human, MIB};
 
 /// What the process may hold at most, as last read.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -139,7 +139,7 @@ impl Watch {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::memory::budget::GIB;
+    use crate::units::GIB;
 
     #[test]
     fn the_arena_gives_back_what_the_room_lacks_of_the_budget() {

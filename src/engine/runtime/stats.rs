@@ -3,8 +3,9 @@
 
 use super::Runtime;
 use crate::engine::ffi::ggml::WeightLayout;
-use crate::engine::memory::budget::{self, human, ProcMemory};
+use crate::engine::memory::budget::{self, ProcMemory};
 use crate::engine::routing::write_whole;
+use crate::units::{human, MIB};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
@@ -125,7 +126,7 @@ impl Runtime {
                 format!(
                     "sdq: hit {:.1} % | {:.2} MiB read/token | peak anonymous RSS {} of {} budget | swap {}",
                     100.0 * t.hits as f64 / (t.hits + t.misses).max(1) as f64,
-                    t.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64,
+                    t.bytes_read as f64 / MIB as f64 / tokens.max(1) as f64,
                     human(peak),
                     human(self.budget),
                     human(swap)
@@ -300,10 +301,10 @@ impl Runtime {
             o.insert("miss_batch_seconds".into(), json!(c.miss_batch_seconds));
             o.insert(
                 "miss_batch_mib_per_s".into(),
-                json!(if c.miss_batch_seconds > 0.0 { c.miss_batch_bytes as f64 / budget::MIB as f64 / c.miss_batch_seconds } else { 0.0 }),
+                json!(if c.miss_batch_seconds > 0.0 { c.miss_batch_bytes as f64 / MIB as f64 / c.miss_batch_seconds } else { 0.0 }),
             );
             // Prompt and decode mixed; the phases apart are `prompt` and `decode`.
-            o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / budget::MIB as f64 / tokens.max(1) as f64));
+            o.insert("mib_read_per_token".into(), json!(c.bytes_read as f64 / MIB as f64 / tokens.max(1) as f64));
             o.insert("prompt".into(), prompt.to_json());
             o.insert("decode".into(), decode.to_json());
             o.insert("expert_bytes_total".into(), json!(pager.layout().total_expert_bytes()));
