@@ -16,8 +16,9 @@
 //!   `replay`, `limit`, `eval`, `bench-disk`), which use the engine's pieces
 //!   but are never part of a tool's process.
 //!
-//! Beside them, [`error`] (the crate's error type) and [`units`] (sizes
-//! parsed and shown), which everything may use.
+//! Beside them, [`error`] (the crate's error type), [`units`] (sizes
+//! parsed and shown) and [`files`] (files replaced whole), which everything
+//! may use.
 //!
 //! `src/bin/` holds one thin `main` per binary. The C++ side talks to the
 //! engine through one header, `shim/sdq-hooks.h`.
@@ -28,6 +29,7 @@
 pub mod commands;
 pub mod engine;
 pub mod error;
+pub mod files;
 pub mod host;
 pub mod units;
 

@@ -58,7 +58,10 @@ fn tiny_has_the_qwen35moe_layout() {
 #[test]
 fn same_seed_same_bytes_other_seed_other_bytes() {
     let a = std::fs::read(tiny_preset()).unwrap();
-    let b = std::fs::read(gen_model("tiny-again.gguf", &["--preset", "tiny", "--seed", "1", "--threads", "1"])).unwrap();
+    // Into a directory that does not exist yet: gen-model makes it.
+    let _ = std::fs::remove_dir_all(scratch().join("new-dir"));
+    let b = std::fs::read(gen_model("new-dir/tiny-again.gguf", &["--preset", "tiny", "--seed", "1", "--threads", "1"])).unwrap();
+    std::fs::remove_dir_all(scratch().join("new-dir")).unwrap();
     assert!(a == b, "same seed, different files (thread count must not matter)");
     let c = std::fs::read(gen_model("tiny-seed2.gguf", &["--preset", "tiny", "--seed", "2"])).unwrap();
     assert_eq!(a.len(), c.len());

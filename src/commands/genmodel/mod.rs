@@ -125,6 +125,10 @@ fn write_file(spec: &ModelSpec, plan: &[PlannedTensor], builder: GgufBuilder, op
         parts.push(Part::new(part_path(&opts.out, i, n_parts), b, tensors));
     }
     let total: u64 = parts.iter().map(|p| p.size).sum();
+    // An output path's directory is made, as a user expects of one.
+    if let Some(dir) = opts.out.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| Error::io("cannot create the directory", dir, e))?;
+    }
     check_free_space(&opts.out, total)?;
 
     let mut progress = Progress::new(total, opts.progress);

@@ -6,6 +6,14 @@
 //! decide then depends only on the routing, not on which of ggml's threads
 //! got to an expert first, so a recorded trace replays to the live run's
 //! decisions.
+//!
+//! This file holds the trait and the two policies it is written for:
+//! [`Lru`], the baseline every figure is set against, and [`Freq`], decayed
+//! use counts with a share of the slots per layer and the chance of reuse
+//! (`reuse`), which `freq-auto` (`freq_auto`) runs with its shares on or
+//! off. They stay together because they keep time the same way (batches of
+//! a layer) and the tests at the bottom set one against the other; `sdq
+//! replay`'s optimum, which sees the future, lives with the replay instead.
 
 use super::arena::SlotId;
 use super::reuse::Reuse;

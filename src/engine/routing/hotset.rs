@@ -143,7 +143,7 @@ impl HotSet {
 
     /// Writes the hot set to `path` whole (a temporary file, then a rename).
     pub fn save(&self, path: &Path) -> Result<()> {
-        super::write_whole(path, &self.to_text()).map_err(|e| Error::io("cannot write hot set", path, e))
+        crate::files::write_whole(path, &self.to_text()).map_err(|e| Error::io("cannot write hot set", path, e))
     }
 
     /// Checks that this hot set was saved for a model of geometry `layers`

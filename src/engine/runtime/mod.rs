@@ -196,7 +196,7 @@ impl Runtime {
     /// model (or, loaded again, as llama-bench does between tests, makes an
     /// earlier one current again).
     pub fn on_loader_file(&self, idx: u32, path: PathBuf) {
-        // A tool checked its models before loading them (src/tools.rs); a
+        // A tool checked its models before loading them (src/host/tools.rs); a
         // host program's load is checked here, and fails on a bad file.
         if idx == 0 && failure::embedded() {
             if let Err(e) = crate::engine::runtime::preflight::check_model(&path) {

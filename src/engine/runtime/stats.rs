@@ -4,7 +4,7 @@
 use super::Runtime;
 use crate::engine::ffi::ggml::WeightLayout;
 use crate::engine::memory::budget::{self, ProcMemory};
-use crate::engine::routing::write_whole;
+use crate::files::write_whole;
 use crate::units::{human, MIB};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
