@@ -1,4 +1,5 @@
 """What the benchmark scripts share."""
+import json
 import os
 import shutil
 import socket
@@ -135,3 +136,75 @@ class RpcNode:
         import json
         with open(self.stats) as f:
             return json.load(f)
+
+
+def read_json(path):
+    """The JSON file at `path`, or None where there is none or it is not
+    JSON (a run that ended before writing it)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def limit_figures(report):
+    """What `sdq limit --report` measured of a run: its cgroup's peak
+    (page cache counted), swap and OOM kills; {} without a report."""
+    lim = read_json(report) or {}
+    return {"peak_cgroup_bytes": lim.get("peak_bytes"), "oom_kills": lim.get("oom_kills"), "swap_bytes": lim.get("swap_bytes")} if lim else {}
+
+
+def stats_figures(stats, keys):
+    """The stats file's figures `keys` (None for one it lacks); {} without
+    a stats file."""
+    s = read_json(stats)
+    return {k: s.get(k) for k in keys} if s else {}
+
+
+def stderr_tail(err):
+    """The last 2,000 characters of a run's stderr, kept in the file `err`."""
+    err.seek(0)
+    return err.read()[-2000:]
+
+
+def write_table(out, name, md, tool, differ, failed, what="answers differ"):
+    """Writes the table `md` to OUT/NAME.md and prints it; exits naming the
+    runs whose text differs (`what`) or that failed."""
+    with open(os.path.join(out, f"{name}.md"), "w") as f:
+        f.write(md)
+    print(md)
+    if differ or failed:
+        sys.exit(f"{tool}: {what}: {differ}; failed: {failed}")
+
+
+def run_session(cmd, timeout, env=None):
+    """Runs `cmd` in a session of its own, so that a run past `timeout`
+    is killed with everything it started (`sdq limit` and its tool) and
+    nothing else. Returns (exit code or None when killed, stdout, stderr)."""
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                         errors="backslashreplace", start_new_session=True, env=env)
+    try:
+        out, err = p.communicate(timeout=timeout)
+        return p.returncode, out, err
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, err = p.communicate()
+        return None, out, err
+
+
+def trace_records(path):
+    """A routing trace (`--sdq-trace`'s CSV), line by line: ("layer", its
+    header's fields as strings, line) for a layer's `# layer=L ...` header;
+    ("use", (step, phase, layer, expert, weight), line) for an expert a
+    step used (step, layer and expert as ints, phase and weight as
+    written); ("other", None, line) for anything else."""
+    with open(path) as f:
+        for line in f.read().splitlines():
+            if line.startswith("# layer="):
+                yield "layer", dict(kv.split("=") for kv in line[2:].split()), line
+            elif line[:1].isdigit():
+                step, phase, layer, expert, weight = line.split(",")
+                yield "use", (int(step), phase, int(layer), int(expert), weight), line
+            else:
+                yield "other", None, line

@@ -1,4 +1,4 @@
-"""Routing made from a trained dense model's FFN (run by scripts/trained-routing).
+"""Routing made from a trained dense model's FFN (run by scripts/trained-routing.py).
 
 Each layer's FFN neurons (rows of its gate matrix) are split into EXPERTS
 groups of equal size by balanced k-means on the gate rows; a group is an

@@ -1,5 +1,5 @@
 // Dumps what a dense model's FFN sees, for routing made from trained
-// weights (scripts/trained-routing): each layer's FFN input (the output of
+// weights (scripts/trained-routing.py): each layer's FFN input (the output of
 // its ffn_norm) for every token of a text, and its gate matrix as floats.
 //
 //   dump-ffn MODEL TEXT OUTDIR

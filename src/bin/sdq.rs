@@ -40,7 +40,7 @@ enum Command {
     Replay(ReplayArgs),
     /// Measure the disk under a file as the pager reads it: random reads of
     /// expert-sized blocks at queue depths, buffered and O_DIRECT, and one
-    /// sequential stream (JSON lines; scripts/bench-disk tabulates them).
+    /// sequential stream (JSON lines; scripts/bench-disk.py tabulates them).
     BenchDisk(BenchDiskArgs),
 }
 

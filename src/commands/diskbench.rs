@@ -3,7 +3,7 @@
 //! (one thread per read in flight), buffered (with `POSIX_FADV_RANDOM`, and
 //! the pages dropped after each read, as the pager does) or with `O_DIRECT`;
 //! and one sequential stream for comparison. This is the ceiling the pager's
-//! miss path is compared against (`scripts/bench-disk`).
+//! miss path is compared against (`scripts/bench-disk.py`).
 
 use crate::engine::pager::io;
 use crate::error::{Error, Result};

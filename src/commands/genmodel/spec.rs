@@ -134,7 +134,7 @@ pub struct Family {
     /// recency and carry whose replayed LRU and Bélády curves come closest
     /// to the shared trained trace's, measured on the family at the tiny
     /// geometry with 16 layers and 128 experts top-6, on the mean of three
-    /// seeds' curves (`scripts/calibrate-routing --seeds 5,6,7`;
+    /// seeds' curves (`scripts/calibrate-routing.py --seeds 5,6,7`;
     /// docs/BENCHMARKS.md, "Routing that looks trained"). Families not
     /// measured keep (1, 1, 0, 0).
     pub trained_routing: (f32, f32, f32, f32),
@@ -471,7 +471,7 @@ impl ModelSpec {
                 ssm_v_heads: 32,
                 ssm_head_dim: 128,
                 context_length: 262_144,
-                // Calibrated at full size (scripts/calibrate-routing --preset
+                // Calibrated at full size (scripts/calibrate-routing.py --preset
                 // 35b-a3b): the family's tiny setting reused far more there.
                 preset_trained_routing: Some((0.5, 1.0, 0.0, 9.0)),
                 ..tiny
@@ -494,7 +494,7 @@ impl ModelSpec {
                     sliding_window: 128,
                     context_length: 131_072,
                     expert_type: Some(GgmlType::MXFP4),
-                    // Calibrated at full depth (scripts/calibrate-routing
+                    // Calibrated at full depth (scripts/calibrate-routing.py
                     // --preset gpt-oss-120b, seeds 5 and 6: 4.4 points from
                     // the trained trace): the family's tiny setting reused
                     // far more there.
@@ -523,7 +523,7 @@ impl ModelSpec {
                     kv_lora_rank: 512,
                     n_vocab: 129_280,
                     context_length: 163_840,
-                    // Calibrated on 19 layers at full width (scripts/calibrate-routing
+                    // Calibrated on 19 layers at full width (scripts/calibrate-routing.py
                     // --preset deepseek-v3 --layers 19 --expert-type q2_K).
                     preset_trained_routing: Some((1.0, 0.5, 8.0, 0.0)),
                     ..s

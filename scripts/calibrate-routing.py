@@ -12,8 +12,8 @@ points of decode hit rate, between the mean of its seeds' curves and the
 trained trace's, over those eighteen figures (each seed's is printed too).
 Writes docs/bench/NAME.json and NAME.md.
 
-  scripts/calibrate-routing --arch gpt-oss --layers 16 --seeds 5,6,7 --configs 0,1,11,2 trained --name issue28-routing
-  scripts/calibrate-routing --preset gpt-oss-120b --layers 4 --configs trained
+  scripts/calibrate-routing.py --arch gpt-oss --layers 16 --seeds 5,6,7 --configs 0,1,11,2 trained --name issue28-routing
+  scripts/calibrate-routing.py --preset gpt-oss-120b --layers 4 --configs trained
 """
 import argparse
 import json
@@ -129,7 +129,7 @@ def main():
         json.dump({"cycles": CYCLES, "prompt": PROMPT, "tokens": a.tokens, "temp": a.temp, "seeds": seeds, "preset": a.preset, "arch": a.arch, "layers": a.layers, "expert_type": a.expert_type,
                    "rows": rows}, f, indent=1)
     with open(out + ".md", "w") as f:
-        f.write(f"Decode hit % at {', '.join(map(str, CYCLES))} token cycles (`scripts/calibrate-routing`, preset {a.preset}"
+        f.write(f"Decode hit % at {', '.join(map(str, CYCLES))} token cycles (`scripts/calibrate-routing.py`, preset {a.preset}"
                 + (f", --arch {a.arch}" if a.arch else "") + (f", {a.layers} layers" if a.layers else "") + (f", {a.expert_type} experts" if a.expert_type else "") + (f", {a.tokens} tokens sampled at temperature {a.temp})\n\n" if a.temp > 0 else f", {a.tokens} greedy tokens)\n\n"))
         f.write("| routing | LRU | Bélády | largest difference (points) |\n| --- | --- | --- | --- |\n")
         for r in rows:

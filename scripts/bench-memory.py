@@ -16,7 +16,7 @@ available, a PNG plot. A configuration whose first run at a budget is
 OOM-killed or passes --timeout is not repeated there: it would only fail again
 (the table says so).
 
-Usage: scripts/bench-memory [--model M] [--budgets 2,4,8,16] [--runs 3]
+Usage: scripts/bench-memory.py [--model M] [--budgets 2,4,8,16] [--runs 3]
                             [--prompt 64] [--gen 32] [--threads 2]
                             [--timeout 600] [--out DIR] [--name memory]
                             [--reps 1] [--no-warmup]
@@ -311,7 +311,7 @@ def main():
     meta = {
         "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}",
         "model": args.model, "date": datetime.date.today().isoformat(), "runs": args.runs, "mode": mode,
-        "command": "scripts/bench-memory " + " ".join(sys.argv[1:]), "reps": args.reps,
+        "command": "scripts/bench-memory.py " + " ".join(sys.argv[1:]), "reps": args.reps,
     }
     json.dump({"meta": meta, "summary": summary, "runs": rows}, open(os.path.join(args.out, f"{args.name}.json"), "w"), indent=1)
     md = markdown(summary, meta)

@@ -41,7 +41,7 @@ need not be on disk beside the full model).
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-far --model M [--budgets 6,8,12] [--runs 2] [--tokens 32]
+Usage: scripts/bench-far.py --model M [--budgets 6,8,12] [--runs 2] [--tokens 32]
                          [--prompts 512,2048] [--stock-tokens 8] [--stock-timeout 900]
                          [--stock-budgets 8] [--stock-flags defaults,--no-repack]
                          [--disk-mibs X] [--read-rate MIBS] [--compute-cuts A.gguf,B.gguf --depth N | --compute-ms X | --compute-json F]
@@ -54,7 +54,6 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -96,17 +95,7 @@ def limited(cmd, budget, tmp, timeout, stats=None):
     benchlib.drop_page_cache("bench-far", "runs would not start cold", fatal=True)
     full = limit_cmd(budget, report) + cmd
     started = time.monotonic()
-    # Its own session, so that a run past its time is killed with the tool
-    # `sdq limit` started, and nothing else.
-    p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                         errors="backslashreplace", start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-        code = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        code = None
+    code, out, err = benchlib.run_session(full, timeout)
     row = {"exit_code": code, "seconds": round(time.monotonic() - started, 1), "text": out,
            "decode_tps": speed(err, "eval"), "prompt_tps": speed(err, "prompt eval")}
     try:

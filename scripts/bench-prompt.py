@@ -27,11 +27,11 @@ and labelled as a projection.
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-prompt --model M [--budgets 6,8] [--read-rates 600,200] [--prompts 512,2048,8192]
+Usage: scripts/bench-prompt.py --model M [--budgets 6,8] [--read-rates 600,200] [--prompts 512,2048,8192]
                             [--runs 1] [--tokens 8] [--ctx 8448]
                             [--compute-stock | --compute-cuts A,B --depth N [--compute-budget 18] | --compute-json F]
                             [--ways before,grouped,whole] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
-       scripts/bench-prompt --from-json docs/bench/NAME.json --name NAME   (the table and plot again)
+       scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME   (the table and plot again)
 """
 import argparse
 import datetime
@@ -39,12 +39,10 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 
@@ -91,24 +89,12 @@ def limited(cmd, budget, rate, tmp, env, timeout):
     benchlib.drop_page_cache("bench-prompt", "runs would not start cold", fatal=True)
     full = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--read-rate", f"{rate}M", "--report", report, "--"]
     full += cmd + ["--ram-budget", f"{budget}G", "--sdq-stats", stats]
-    p = subprocess.Popen(full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                         errors="backslashreplace", start_new_session=True, env={**os.environ, **env})
-    try:
-        out, err = p.communicate(timeout=timeout)
-        code = p.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        code = None
+    code, out, err = benchlib.run_session(full, timeout, env={**os.environ, **env})
     ms, n = prompt_timing(err)
     row = {"exit_code": code, "prompt_ms": ms, "prompt_tokens": n, "decode_tps": decode_tps(err), "text": out}
-    try:
-        lim = json.load(open(report))
-        row.update(peak_cgroup_bytes=lim.get("peak_bytes"), swap_bytes=lim.get("swap_bytes"), oom_kills=lim.get("oom_kills"))
-    except (OSError, ValueError):
-        pass
-    if os.path.exists(stats):
-        s = json.load(open(stats))
+    row.update(benchlib.limit_figures(report))
+    s = benchlib.read_json(stats)
+    if s:
         row.update(bytes_read=s["prompt"]["bytes_read"], touched_bytes=s["prompt"]["touched_bytes"], groups=s["prompt_groups"]["groups"],
                    grouped_ubatches=s["prompt_groups"]["ubatches"], group_peak_bytes=s["prompt_groups"].get("peak_bytes"), arena_bytes=s.get("arena_bytes"), peak_rss_anon=s["peak_rss_anon_bytes"],
                    decode_mib_per_token=s["decode"]["mib_read_per_token"], decode_seconds=s["decode"]["seconds"], decode_steps=s["decode"]["steps"])

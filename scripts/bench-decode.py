@@ -35,7 +35,7 @@ script fails.
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-decode [--budgets 2,4,8] [--runs 3] [--threads 2] [--tokens 64]
+Usage: scripts/bench-decode.py [--budgets 2,4,8] [--runs 3] [--threads 2] [--tokens 64]
                             [--configs sdq,sdq-noprefetch,sdq-before]
                             [--before-bin DIR] [--reference CONFIG]
                             [--out docs/bench] [--name decode] [--replot]
@@ -296,7 +296,7 @@ def main():
     summary = summarize(rows, budgets, configs, args.reference)
     meta = {"machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}", "model": args.model,
             "date": datetime.date.today().isoformat(), "runs": args.runs,
-            "command": "scripts/bench-decode " + " ".join(sys.argv[1:]), "reference": args.reference,
+            "command": "scripts/bench-decode.py " + " ".join(sys.argv[1:]), "reference": args.reference,
             "outputs_differ": differ, "failed": failed}
     for r in rows:
         r.pop("text")

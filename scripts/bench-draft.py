@@ -30,7 +30,7 @@ every run and budget, and whether they equal the undrafted ones.
 
 Writes NAME.json and NAME.md into --out.
 
-Usage: scripts/bench-draft [--model models/35b-a3b-mtp.gguf] [--budgets 8,4] [--runs 2]
+Usage: scripts/bench-draft.py [--model models/35b-a3b-mtp.gguf] [--budgets 8,4] [--runs 2]
                            [--modes none,ngram,draft-mtp] [--draft FILE] [--requests 2] [--tokens 64]
                            [--out docs/bench] [--name issue29-drafting]
 """
@@ -99,16 +99,10 @@ def run_one(args, budget, mode, tmp):
         p.terminate()
         p.wait(timeout=300)
     if row["exit_code"]:
-        err.seek(0)
-        row["stderr_tail"] = err.read()[-2000:]
-    try:
-        lim = json.load(open(report))
-        row.update({"peak_cgroup_bytes": lim.get("peak_bytes"), "oom_kills": lim.get("oom_kills"), "swap_bytes": lim.get("swap_bytes")})
-    except (OSError, ValueError):
-        pass
+        row["stderr_tail"] = benchlib.stderr_tail(err)
+    row.update(benchlib.limit_figures(report))
     if os.path.exists(stats):
-        s = json.load(open(stats))
-        row.update({k: s.get(k) for k in ("bytes_read", "hit_rate", "arena_bytes", "expert_bytes_total", "peak_rss_anon_bytes", "vm_swap_bytes")})
+        row.update(benchlib.stats_figures(stats, ("bytes_read", "hit_rate", "arena_bytes", "expert_bytes_total", "peak_rss_anon_bytes", "vm_swap_bytes")))
         if row["generated"]:
             row["mib_read_per_generated_token"] = s["bytes_read"] / 2**20 / row["generated"]
     return row
@@ -174,7 +168,7 @@ def main():
             summary.append(row)
     meta = {"machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}", "model": args.model,
             "label": args.label, "date": datetime.date.today().isoformat(), "runs": args.runs, "requests": args.requests, "tokens": args.tokens,
-            "command": "scripts/bench-draft " + " ".join(sys.argv[1:]), "answers_differ": differ, "failed": failed,
+            "command": "scripts/bench-draft.py " + " ".join(sys.argv[1:]), "answers_differ": differ, "failed": failed,
             "same_text_as_undrafted": same_as_none}
     for r in rows:
         r.pop("texts")

@@ -21,7 +21,7 @@ request's, from sending it to the answer.
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-warm [--budget 8] [--runs 3] [--threads 2] [--server-idle S]
+Usage: scripts/bench-warm.py [--budget 8] [--runs 3] [--threads 2] [--server-idle S]
                           [--model models/35b-a3b.gguf] [--out docs/bench] [--name warm]
 """
 import argparse
@@ -123,15 +123,9 @@ def run_one(args, config, saved, tmp):
                "load_ms": ms(p.stderr, "load"), "prompt_ms": ms(p.stderr, "prompt eval")}
         if p.returncode != 0:
             row["stderr_tail"] = p.stderr[-2000:]
-    try:
-        lim = json.load(open(report))
-        row.update({"peak_cgroup_bytes": lim.get("peak_bytes"), "oom_kills": lim.get("oom_kills"), "swap_bytes": lim.get("swap_bytes")})
-    except (OSError, ValueError):
-        pass
-    if os.path.exists(stats):
-        s = json.load(open(stats))
-        for k in ("warm_start_experts", "hits", "misses", "preloaded", "bytes_read", "peak_rss_anon_bytes", "vm_swap_bytes", "arena_bytes"):
-            row[k] = s.get(k)
+    row.update(benchlib.limit_figures(report))
+    row.update(benchlib.stats_figures(stats, ("warm_start_experts", "hits", "misses", "preloaded", "bytes_read", "peak_rss_anon_bytes",
+                                              "vm_swap_bytes", "arena_bytes")))
     return row
 
 
@@ -192,7 +186,7 @@ def main():
     ratio = warm["ttft_s"] / cold["ttft_s"] if warm["ttft_s"] and cold["ttft_s"] else None
     meta = {"machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}", "model": args.model,
             "date": datetime.date.today().isoformat(), "runs": args.runs, "budget_gib": args.budget, "hot_set_experts": held,
-            "command": "scripts/bench-warm " + " ".join(sys.argv[1:]), "warm_over_cold": ratio,
+            "command": "scripts/bench-warm.py " + " ".join(sys.argv[1:]), "warm_over_cold": ratio,
             "outputs_differ": differ, "failed": failed}
     for r in rows:
         r.pop("text")
@@ -213,11 +207,7 @@ def main():
                      f"{fmt(s['peak_cgroup_bytes'] and s['peak_cgroup_bytes'] / 2**30, '.2f')} | {s['swap_bytes']} | {s['oom_kills']} |")
     lines.append("")
     lines.append(f"Warm / cold time to first token: {fmt(ratio, '.2f')}.")
-    md = "\n".join(lines) + "\n"
-    open(os.path.join(args.out, f"{args.name}.md"), "w").write(md)
-    print(md)
-    if differ or failed:
-        sys.exit(f"bench-warm: first tokens differ: {differ}; failed: {failed}")
+    benchlib.write_table(args.out, args.name, "\n".join(lines) + "\n", "bench-warm", differ, failed, what="first tokens differ")
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ The arena has to fill for the reserve to matter: use a model with near-uniform
 routing (`sdq gen-model --preset 35b-a3b --router-skew 0`), where one prompt
 batch touches nearly every expert.
 
-Usage: scripts/calibrate-reserve [--model M] [--budgets 4,8] [--reserves 64,128,256,512,1024]
+Usage: scripts/calibrate-reserve.py [--model M] [--budgets 4,8] [--reserves 64,128,256,512,1024]
                                  [--words 300] [--gen 32] [--timeout 600] [--out DIR]
-       scripts/calibrate-reserve --from-json reserve.json --out DIR
+       scripts/calibrate-reserve.py --from-json reserve.json --out DIR
 """
 import argparse
 import json

@@ -9,10 +9,14 @@ experts a layer favours change, which is what a policy's counts must
 forget. Deterministic for a given --seed. For judging eviction policies
 (`sdq replay`), not a model's routing.
 
-Usage: scripts/shift-trace TRACE OUT [--period 16] [--seed 1]
+Usage: scripts/shift-trace.py TRACE OUT [--period 16] [--seed 1]
 """
 import argparse
+import os
 import random
+import sys
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from benchlib import trace_records  # noqa: E402
 
 ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 ap.add_argument("trace")
@@ -23,29 +27,27 @@ a = ap.parse_args()
 rng = random.Random(a.seed)
 experts = {}
 perms = {}
-with open(a.trace) as f:
-    lines = f.read().splitlines()
+records = list(trace_records(a.trace))
 # Each layer's expert count: its header's, else one past the largest used.
-for line in lines:
-    if line.startswith("# layer="):
-        fields = dict(kv.split("=") for kv in line[2:].split())
+for kind, fields, _ in records:
+    if kind == "layer":
         experts[int(fields["layer"])] = int(fields.get("experts", 0))
-    elif line[:1].isdigit():
-        _, _, layer, expert, _ = line.split(",")
-        if experts.get(int(layer), 0) <= int(expert):
-            experts[int(layer)] = int(expert) + 1
+    elif kind == "use":
+        _, _, layer, expert, _ = fields
+        if experts.get(layer, 0) <= expert:
+            experts[layer] = expert + 1
 with open(a.out, "w") as out:
-    for line in lines:
-        if not line[:1].isdigit():
+    for kind, fields, line in records:
+        if kind != "use":
             out.write(line + "\n")
             continue
-        step, phase, layer, expert, weight = line.split(",")
-        period, layer = int(step) // a.period, int(layer)
+        step, phase, layer, expert, weight = fields
+        period = step // a.period
         if period > 0:
             if (period, layer) not in perms:
                 n = experts[layer]
                 p = list(range(n))
                 rng.shuffle(p)
                 perms[(period, layer)] = p
-            expert = str(perms[(period, layer)][int(expert)])
+            expert = perms[(period, layer)][expert]
         out.write(f"{step},{phase},{layer},{expert},{weight}\n")

@@ -15,7 +15,7 @@ For each model (generated once into models/rpc-NAME.gguf):
      be the same, byte for byte.
 Exits non-zero on any difference. Writes NAME.json and NAME.md into --out.
 
-Usage: scripts/check-rpc [--models 35b-a3b,gpt-oss-120b,deepseek-v3] [--tokens 32] [--out docs/bench] [--name rpc-same-text] [--keep]
+Usage: scripts/check-rpc.py [--models 35b-a3b,gpt-oss-120b,deepseek-v3] [--tokens 32] [--out docs/bench] [--name rpc-same-text] [--keep]
 """
 import argparse
 import datetime

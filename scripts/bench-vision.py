@@ -21,7 +21,7 @@ vocabulary then has the image tokens, and a SigLIP-so400m tower).
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-vision [--budget 8] [--runs 3] [--threads 2] [--model M --mmproj P]
+Usage: scripts/bench-vision.py [--budget 8] [--runs 3] [--threads 2] [--model M --mmproj P]
                             [--out docs/bench] [--name vision] [--report-only]
 """
 import argparse
@@ -110,18 +110,10 @@ def serve(args, config, images, tmp):
         code = p.wait(timeout=120)
         row["exit_code"] = row["exit_code"] or (code if code not in (0, -15) else 0)
     if row["exit_code"]:
-        err.seek(0)
-        row["stderr_tail"] = err.read()[-2000:]
-    try:
-        lim = json.load(open(report))
-        row.update({"peak_cgroup_bytes": lim.get("peak_bytes"), "oom_kills": lim.get("oom_kills"), "swap_bytes": lim.get("swap_bytes")})
-    except (OSError, ValueError):
-        pass
-    if os.path.exists(stats):
-        s = json.load(open(stats))
-        for k in ("hits", "misses", "bytes_read", "peak_rss_anon_bytes", "vm_swap_bytes", "arena_bytes",
-                  "projector_weights_bytes", "projector_compute_bytes"):
-            row[k] = s.get(k)
+        row["stderr_tail"] = benchlib.stderr_tail(err)
+    row.update(benchlib.limit_figures(report))
+    row.update(benchlib.stats_figures(stats, ("hits", "misses", "bytes_read", "peak_rss_anon_bytes", "vm_swap_bytes", "arena_bytes",
+                                              "projector_weights_bytes", "projector_compute_bytes")))
     return row
 
 
@@ -212,7 +204,7 @@ def main():
     ratio = lambda k: sdq[k] / stock[k] if sdq[k] and stock[k] else None  # noqa: E731
     meta = {"machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}", "model": args.model, "mmproj": args.mmproj,
             "date": datetime.date.today().isoformat(), "runs": args.runs, "budget_gib": args.budget,
-            "image": f"{args.width}x{args.height} PNG", "command": "scripts/bench-vision " + " ".join(sys.argv[1:]),
+            "image": f"{args.width}x{args.height} PNG", "command": "scripts/bench-vision.py " + " ".join(sys.argv[1:]),
             "first_ttft_sdq_over_stock": ratio("first_ttft_s"), "second_ttft_sdq_over_stock": ratio("second_ttft_s"),
             "answers_differ": differ, "failed": failed}
     for r in rows:

@@ -23,7 +23,7 @@ with 128 experts top-8, against 72 % on the trained gemma-4 trace).
 Needs `cargo build --release` first (target/release/lib, include), a C
 compiler, and the network once (PyPI; cached in target/tmp/trained-routing).
 
-Usage: scripts/trained-routing [--text FILE] [--experts 128] [--top-k 8]
+Usage: scripts/trained-routing.py [--text FILE] [--experts 128] [--top-k 8]
                                [--prompt 32] [--out TRACE]
 """
 import argparse

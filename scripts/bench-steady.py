@@ -13,7 +13,7 @@ The measured answers must be the same in every run of both.
 
 Writes NAME.json and NAME.md into --out.
 
-Usage: scripts/bench-steady [--budget 8] [--runs 2] [--threads 2] [--warmup 4] [--measure 4]
+Usage: scripts/bench-steady.py [--budget 8] [--runs 2] [--threads 2] [--warmup 4] [--measure 4]
                             [--tokens 64] [--model models/35b-a3b.gguf] [--out docs/bench] [--name steady]
 """
 import argparse
@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402 (scripts/benchlib.py)
@@ -75,18 +74,10 @@ def run_one(args, config, tmp):
         p.terminate()
         p.wait(timeout=120)
     if row["exit_code"]:
-        err.seek(0)
-        row["stderr_tail"] = err.read()[-2000:]
-    try:
-        lim = json.load(open(report))
-        row.update({"peak_cgroup_bytes": lim.get("peak_bytes"), "oom_kills": lim.get("oom_kills"), "swap_bytes": lim.get("swap_bytes")})
-    except (OSError, ValueError):
-        pass
-    if os.path.exists(stats):
-        s = json.load(open(stats))
-        for k in ("hit_rate", "mib_read_per_token", "peak_rss_anon_bytes", "arena_pages", "arena_huge_bytes", "arena_slot_bytes",
-                  "arena_populate", "minor_faults", "major_faults"):
-            row[k] = s.get(k)
+        row["stderr_tail"] = benchlib.stderr_tail(err)
+    row.update(benchlib.limit_figures(report))
+    row.update(benchlib.stats_figures(stats, ("hit_rate", "mib_read_per_token", "peak_rss_anon_bytes", "arena_pages", "arena_huge_bytes",
+                                              "arena_slot_bytes", "arena_populate", "minor_faults", "major_faults")))
     return row
 
 
@@ -130,7 +121,7 @@ def main():
     ratio = sdq["decode_tps"] / stock["decode_tps"] if sdq["decode_tps"] and stock["decode_tps"] else None
     meta = {"machine": f"{platform.node()} {os.cpu_count()} cores, {platform.machine()}", "model": args.model,
             "date": datetime.date.today().isoformat(), "runs": args.runs, "budget_gib": args.budget,
-            "command": "scripts/bench-steady " + " ".join(sys.argv[1:]), "sdq_over_stock": ratio,
+            "command": "scripts/bench-steady.py " + " ".join(sys.argv[1:]), "sdq_over_stock": ratio,
             "answers_differ": differ, "failed": failed}
     for r in rows:
         r.pop("texts")
@@ -149,11 +140,7 @@ def main():
                      f"{fmt(s['hit_rate'] and 100 * s['hit_rate'], '.1f')} | {fmt(s['mib_read_per_token'], '.1f')} | {fmt(s['minor_faults'], '.0f')} | {fmt(s['arena_huge_gib'], '.2f')} | "
                      f"{fmt(s['peak_rss_anon_gib'], '.2f')} | {s['swap_bytes']} | {s['oom_kills']} |")
     lines += ["", f"sdq / stock steady-state decode: {fmt(ratio, '.2f')}."]
-    md = "\n".join(lines) + "\n"
-    open(os.path.join(args.out, f"{args.name}.md"), "w").write(md)
-    print(md)
-    if differ or failed:
-        sys.exit(f"bench-steady: answers differ: {differ}; failed: {failed}")
+    benchlib.write_table(args.out, args.name, "\n".join(lines) + "\n", "bench-steady", differ, failed)
 
 
 if __name__ == "__main__":

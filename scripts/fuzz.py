@@ -24,7 +24,7 @@ Needs cargo-fuzz (`cargo install cargo-fuzz`). Uses the nightly toolchain if
 rustup has one, else stable with RUSTC_BOOTSTRAP=1 (the sanitizer flags are
 nightly-only options; stable ships the ASan runtime).
 
-Usage: scripts/fuzz [--time SECS] [TARGET ...]
+Usage: scripts/fuzz.py [--time SECS] [TARGET ...]
 """
 import argparse
 import concurrent.futures

@@ -13,7 +13,7 @@ run is the figure.
 
 Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 
-Usage: scripts/bench-replay TRACE... [--cycles 0.5,1,1.5,2,3,4,6,8]
+Usage: scripts/bench-replay.py TRACE... [--cycles 0.5,1,1.5,2,3,4,6,8]
                             [--judged-from STEP] [--told-ahead 1,4,30]
                             [--out docs/bench] [--name replay] [--replot]
 """
@@ -88,7 +88,7 @@ def main():
         ap.error("no TRACE given (one or more, or --replot)")
     reports = {os.path.splitext(os.path.basename(t))[0]: replay(t, args.cycles, args.judged_from, args.told_ahead) for t in args.traces}
     lines = [f"Machine: {platform.node()}. Date: {datetime.date.today().isoformat()}. "
-             f"Command: `scripts/bench-replay {' '.join(sys.argv[1:])}`."
+             f"Command: `scripts/bench-replay.py {' '.join(sys.argv[1:])}`."
              + (f" Counted from step {args.judged_from} on." if args.judged_from else ""), "",
              "Decode hit % by policy, then each one's share (%) of the gap between LRU and Bélády.", ""]
     share = lambda v: "–" if v is None else f"{v:.0f}"

@@ -8,7 +8,7 @@ dropped first (as root). Each measurement is run --runs times; the medians go
 to a JSON file, a Markdown table and, if matplotlib is available, a PNG plot
 of MiB/s against queue depth.
 
-Usage: scripts/bench-disk [--model M] [--runs 3] [--seconds 2] [--out DIR]
+Usage: scripts/bench-disk.py [--model M] [--runs 3] [--seconds 2] [--out DIR]
 """
 import argparse
 import datetime
@@ -64,7 +64,7 @@ def main():
         "machine": {"host": platform.node(), "cpus": os.cpu_count(), "kernel": platform.release()},
         "model": a.model, "model_bytes": os.path.getsize(a.model),
         "runs": a.runs, "seconds_per_measurement": a.seconds,
-        "command": " ".join(["scripts/bench-disk"] + sys.argv[1:]),
+        "command": " ".join(["scripts/bench-disk.py"] + sys.argv[1:]),
         "best_parallel": best, "results": results,
     }
     os.makedirs(a.out, exist_ok=True)

@@ -18,7 +18,7 @@ reads the node's output), labelled as one.
 
 Writes NAME.json and NAME.md into --out.
 
-Usage: scripts/bench-rpc --model M [--budget 8G] [--read-rate 600M] [--nodes 1,2] [--tokens 32] [--prompt 512]
+Usage: scripts/bench-rpc.py --model M [--budget 8G] [--read-rate 600M] [--nodes 1,2] [--tokens 32] [--prompt 512]
                          [--host-budget 8G] [--threads 1] [--name rpc-gpt-oss-120b]
 """
 import argparse
@@ -30,7 +30,6 @@ import re
 import subprocess
 import sys
 import tempfile
-import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402
 

@@ -35,7 +35,7 @@ Three ways to train it:
 Needs `cargo build --release` (target/release/sdq) and the network once
 (numpy and scikit-learn in a virtual environment under target/tmp).
 
-Usage: scripts/learned-eviction [--trace T] [--judged-from 65]
+Usage: scripts/learned-eviction.py [--trace T] [--judged-from 65]
                                 [--cycles 1,1.5,2,3,4] [--retrain 16]
                                 [--name issue31-learned-eviction]
 Writes docs/bench/NAME.json and NAME.md.
@@ -47,7 +47,7 @@ import os
 import subprocess
 import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import venv_python  # noqa: E402
+from benchlib import trace_records, venv_python  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.path.join(ROOT, "target", "tmp", "learned-eviction")
@@ -78,15 +78,13 @@ def ensure_libraries():
 def read_trace(path):
     """Batches in order: (step, layer, {expert: weight}), and each layer's bytes."""
     layer_bytes, rows = {}, collections.defaultdict(dict)
-    with open(path) as f:
-        for line in f:
-            if line.startswith("#"):
-                fields = dict(kv.split("=") for kv in line[1:].split())
-                layer_bytes[int(fields["layer"])] = int(fields["bytes"])
-            elif line[0].isdigit():
-                step, _, layer, expert, weight = line.strip().split(",")
-                batch = rows[(int(step), int(layer))]
-                batch[int(expert)] = batch.get(int(expert), 0.0) + float(weight)
+    for kind, fields, _ in trace_records(path):
+        if kind == "layer":
+            layer_bytes[int(fields["layer"])] = int(fields["bytes"])
+        elif kind == "use":
+            step, _, layer, expert, weight = fields
+            batch = rows[(step, layer)]
+            batch[expert] = batch.get(expert, 0.0) + float(weight)
     return [(s, l, rows[(s, l)]) for s, l in sorted(rows)], layer_bytes
 
 
@@ -250,7 +248,7 @@ def main():
     base = os.path.join(ROOT, "docs", "bench", a.name)
     with open(base + ".json", "w") as f:
         json.dump(out, f, indent=1)
-    md = [f"# {a.name}", "", f"`scripts/learned-eviction --trace {out['trace']} --judged-from {a.judged_from} --cycles {a.cycles} "
+    md = [f"# {a.name}", "", f"`scripts/learned-eviction.py --trace {out['trace']} --judged-from {a.judged_from} --cycles {a.cycles} "
           f"--retrain {a.retrain}`: decode hits from step {a.judged_from} on; gap share = (hit − LRU) / (Bélády − LRU), "
           "LRU and Bélády from `sdq replay --json`.", "",
           "| way | " + " | ".join(f"{r['token_cycles']:g} cycles" for r in results) + " | mean gap share |",
