@@ -57,7 +57,7 @@ fn the_chat_page_answers_as_stock_and_shows_a_failed_read() {
     let probe_stats = scratch().join("browser-probe-stats.json");
     let (server, _) = start_server(&[&flags[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
     assert!(stop(server).success());
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     let budget = budget_for(&probe, 64 * MIB, 6 * MIB);
 
     let shots = scratch().join("browser");
@@ -115,7 +115,7 @@ fn the_chat_page_answers_as_stock_and_shows_a_failed_read() {
     for shot in ["turn-1.png", "turn-2-error.png", "turn-3.png"] {
         assert!(shots.join(shot).is_file(), "no screenshot {shot}");
     }
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(u(&s, "read_failures") >= 1 && u(&s, "misses") > 0, "{s}");
     eprintln!("screenshots in {}", shots.display());
 }

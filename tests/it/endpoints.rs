@@ -112,7 +112,7 @@ fn chat_streaming_tokenize_slots_lora_and_embeddings_answer_as_stock() {
     for (i, what) in ["streamed chat", "/tokenize", "/detokenize", "completion", "completion between", "completion after restore"].iter().enumerate() {
         assert_eq!(paged[i], stock[i], "{what}: unlike stock");
     }
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0, "{s}");
 
     // Embeddings: the pooled vectors are stock's, bit for bit.

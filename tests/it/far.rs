@@ -187,7 +187,7 @@ fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
             .map(String::from)
             .collect()
     };
-    let read = |p: &Path| -> serde_json::Value { serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap() };
+    let read = |p: &Path| -> serde_json::Value { read_json(p) };
     let probe_stats = scratch().join("deepseek-v3-narrow-probe.json");
     let probe = completion("20G", &probe_stats);
     let o = run(Command::new(&probe[0]).args(&probe[1..]), 600);

@@ -49,11 +49,10 @@ const AT: [u64; 3] = [1, 40, 150];
 /// Waits until the run has written its first stats snapshot (paging has
 /// started) within `secs`, asserting it is still running.
 fn wait_for_stats(stats: &Path, child: &mut std::process::Child, secs: u64) {
-    poll_until(secs, || {
+    wait_until("a stats snapshot", secs, || {
         assert!(child.try_wait().unwrap().is_none(), "the run ended early");
         stats.exists().then_some(())
-    })
-    .unwrap_or_else(|| panic!("no stats snapshot within {secs} s"));
+    });
 }
 
 #[test]
@@ -79,7 +78,7 @@ fn retried_reads_give_stock_output(model: &Path) {
             let o = run(paged(model, 32, &budget, &fault).args(["--sdq-stats", stats.to_str().unwrap()]), 300);
             assert!(o.status.success(), "{fault}: {}", stderr(&o));
             assert_eq!(stdout(&o), stock, "{fault}: output differs from stock");
-            let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+            let s: Value = read_json(&stats);
             let retried = if matches!(kind, "eio" | "eof") { 3 } else { 0 };
             assert_eq!((u(&s, "read_retries"), u(&s, "read_failures")), (retried, 0), "{fault}: {s}");
         }
@@ -152,7 +151,7 @@ fn a_failed_preload_read_is_read_again_when_needed() {
     let o = run(paged(tiny(), 32, "1G", "eio@1").env("SDQ_PRELOAD", "1").args(["--sdq-stats", stats.to_str().unwrap()]), 300);
     assert!(o.status.success(), "{}\n{}", o.status, stderr(&o));
     assert_eq!(stdout(&o), stock, "output differs from stock");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert_eq!((u(&s, "read_retries"), u(&s, "read_failures")), (3, 1), "{s}");
 }
 
@@ -222,7 +221,7 @@ fn ctrl_c_during_a_read_exits_promptly_and_the_stats_file_is_json() {
     let o = wait_with_timeout(child, 30);
     assert!(sent.elapsed() < Duration::from_secs(5), "took {:?} to exit after SIGINT", sent.elapsed());
     assert_eq!(o.status.code(), Some(130), "{}: {}", o.status, stderr(&o));
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).expect("stats file is JSON");
+    let s = read_json(&stats);
     assert!(u(&s, "misses") > 0, "{s}");
 }
 

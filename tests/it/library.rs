@@ -143,13 +143,13 @@ fn a_c_program_linked_with_libllama_pages_under_a_budget() {
 
     let probe_stats = scratch().join("library-c-probe.json");
     greedy(&[("SDQ_RAM_BUDGET", "2G"), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", probe_stats.to_str().unwrap())]);
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
     let budget = crate::pager::budget_for(&probe, 16 << 20, cycle * 3 / 2);
     let stats = scratch().join("library-c-stats.json");
     let (paged, err) = greedy(&[("SDQ_RAM_BUDGET", &budget), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
     assert_eq!(paged, stock, "under SDQ_RAM_BUDGET the C program answered unlike stock");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "arena_bytes") < u(&s, "expert_bytes_total"), "{s}");
     assert!(u(&s, "peak_rss_anon_bytes") <= budget.parse::<u64>().unwrap() && u(&s, "vm_swap_bytes") == 0, "{s}");
     assert!(err.contains("sdq: hit"), "no summary line: {err}");
@@ -220,7 +220,7 @@ sys.stdout.write(out["choices"][0]["text"])
     let budget = "400M";
     let (paged, err) = complete(&[("SDQ_RAM_BUDGET", budget), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
     assert_eq!(paged, expected, "llama-cpp-python under SDQ_RAM_BUDGET answered unlike llama-completion");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 400 << 20 && u(&s, "vm_swap_bytes") == 0, "{s}");
     assert!(err.contains("sdq: hit"), "{err}");
 }
@@ -244,12 +244,11 @@ fn llama_cpp_python_server_answers_under_a_budget() {
             .spawn()
             .unwrap();
         let mut server = KillOnDrop(child);
-        let reply = poll_until(120, || match http(port, "POST", "/v1/chat/completions", Some(body)) {
+        let reply = wait_until("llama_cpp.server answering", 120, || match http(port, "POST", "/v1/chat/completions", Some(body)) {
             Ok((200, text)) => Some(text),
             Ok((code, text)) => panic!("HTTP {code}: {text}"),
             Err(_) => None,
-        })
-        .expect("llama_cpp.server answers within 120 s");
+        });
         // SIGINT: uvicorn shuts down and Python exits normally, so the stats are written.
         // SAFETY: signalling our own child.
         unsafe { libc::kill(server.0.id() as i32, libc::SIGINT) };
@@ -261,7 +260,7 @@ fn llama_cpp_python_server_answers_under_a_budget() {
     let stats = scratch().join("library-python-server-stats.json");
     let paged = answer(&[("SDQ_RAM_BUDGET", "500M"), ("SDQ_STATS_FILE", stats.to_str().unwrap()), ("SDQ_PRELOAD", "0")]);
     assert!(!stock.is_empty() && paged == stock, "chat under the budget: {paged:?}, without: {stock:?}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 500 << 20, "{s}");
 }
 
@@ -282,7 +281,7 @@ fn errors_inside_a_c_program_are_the_programs() {
     };
     let probe_stats = scratch().join("library-errors-probe.json");
     greedy(model, &[("SDQ_RAM_BUDGET", "2G"), ("SDQ_RESERVE_MB", "16"), ("SDQ_STATS_FILE", probe_stats.to_str().unwrap())]);
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     // Room for the reserve and not one layer's experts.
     let small = (held_after_load(&probe) + (16 << 20)).to_string();
     // The context is refused where the program can act on it (issue 49),
@@ -535,7 +534,7 @@ except ValueError:
     let held: Vec<u64> = out.lines().find_map(|l| l.strip_prefix("arena held ")).unwrap().split(" then ").map(|n| n.parse().unwrap()).collect();
     assert!(held[0] >= 4 << 20 && held[1] <= 256 << 10, "the arena's mapping held {} bytes, and {} after every model was freed: {out}", held[0], held[1]);
     assert!(out.contains("late load: ValueError") && err.contains("a model with routed experts loaded after the first batch ran"), "{out}{err}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     let budget: u64 = budget.parse().unwrap();
     assert!(u(&s, "peak_rss_anon_bytes") <= budget && u(&s, "vm_swap_bytes") == 0 && u(&s, "misses") > 0, "{s}");
 }
@@ -610,6 +609,6 @@ llm.close()
         (out, err) = chat(&budget.to_string(), &stats);
     }
     assert_eq!(out.strip_prefix("answer: ").map(str::trim), Some(expected.as_str()), "{err}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= budget && u(&s, "vm_swap_bytes") == 0, "{s}");
 }

@@ -10,7 +10,7 @@ use std::process::Command;
 fn limited(limit: &str, cmd: &[&str]) -> Option<(Option<i32>, Value)> {
     let report = scratch().join(format!("limit-{}.json", std::process::id()));
     let o = run(Command::new(bin("sdq")).args(["limit", "--memory", limit, "--report", report.to_str().unwrap(), "--"]).args(cmd), 300);
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: Value = read_json(&report);
     if r["enforced"] != true {
         eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
         return None;
@@ -68,7 +68,7 @@ fn a_read_rate_caps_what_the_command_reads_from_the_disk() {
         ]),
         120,
     );
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: Value = read_json(&report);
     if r["enforced"] != true {
         eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
         return;
@@ -93,7 +93,7 @@ fn auto_budget_takes_the_cgroup_limit() {
         return;
     };
     assert_eq!(code, Some(0), "{r}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert_eq!(s["budget_bytes"], 1536u64 << 20, "auto did not pick the cgroup limit: {s}");
 }
 
@@ -109,7 +109,7 @@ fn a_terminated_runner_still_removes_its_cgroup() {
     let status = runner.wait().unwrap();
     assert!(started.elapsed().as_secs() < 5, "the runner did not stop promptly");
     assert_eq!(status.code(), Some(128 + 15), "{status}");
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: Value = read_json(&report);
     if r["enforced"] != true {
         eprintln!("SKIPPED: no writable memory cgroup here: {}", r["mode"]);
         return;
@@ -141,7 +141,7 @@ fn a_runner_signalled_as_it_starts_leaves_no_cgroup_behind() {
         let status = runner.wait().unwrap();
         assert!(started.elapsed().as_secs() < 5, "{delay_us} µs: the runner did not stop promptly");
         if status.code() == Some(128 + 15) {
-            let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+            let r: Value = read_json(&report);
             assert_eq!(r["signal"], 15, "{delay_us} µs: {r}");
             forwarded += 1;
         } else {
@@ -192,6 +192,6 @@ fn a_limit_the_process_cannot_meet_is_refused_and_the_old_one_stays() {
     let _ = Command::new("kill").arg(pid.to_string()).status();
     let status = runner.wait().unwrap();
     assert!(!status.success());
-    let r: Value = serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap();
+    let r: Value = read_json(&report);
     assert_eq!(r["oom_kills"], 0, "{r}");
 }

@@ -224,7 +224,7 @@ fn a_server_under_constant_eviction_answers_16_clients_like_stock_and_stays_flat
     assert!(drift.abs() < 8 << 20, "anonymous RSS drifted by {drift} bytes over 900 requests");
     assert_eq!(fds_after, fds_before, "the server's open descriptors changed over 900 requests");
     assert!(rss_after <= budget.parse::<u64>().unwrap(), "RssAnon {rss_after} over the budget {budget}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(u(&s, "misses") > u(&s, "hits") / 4, "the arena was not under pressure: {s}");
     assert!(u(&s, "read_failures") > 0, "{s}");
     if let Some(server) = limited {

@@ -179,7 +179,7 @@ fn the_fast_q4_k_conversion_gives_ggmls_bytes() {
     );
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(!stderr(&out).contains("differs from ggml's"), "{}", stderr(&out));
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(u(&s, "converted_parts") > 0, "nothing converted: {s}");
     assert_eq!(s["fast_conversions"], serde_json::json!(["q4_K_8x8_q8_K"]), "{s}");
 }
@@ -637,7 +637,7 @@ fn resident_weights_are_counted_against_the_budget() {
             300,
         );
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: Value = read_json(&stats);
         let held = held_after_load(&s) + u(&s, "mapped_weight_bytes");
         assert_eq!(u(&s, "arena_bytes") + held + u(&s, "reserve_bytes"), 1 << 30, "{tag}: arena: {s}");
         s
@@ -678,7 +678,7 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
         let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        let stats: Option<Value> = budget.map(|_| serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap());
+        let stats: Option<Value> = budget.map(|_| read_json(&stats));
         (json["tokens"].clone(), logits, stats, stderr(&o))
     };
     let (_, _, probe, _) = run_eval("128", Some("1G"), "probe");
@@ -715,7 +715,7 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
 fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
     let prompt = scratch().join("group-small-arena.txt");
-    std::fs::write(&prompt, made_up_words(400, 5)).unwrap();
+    std::fs::write(&prompt, made_up_words(250, 5)).unwrap();
     let run_eval = |budget: Option<&str>, env: &[(&str, &str)], tag: &str| {
         let (logits, stats) = (scratch().join(format!("group-small-{tag}.bin")), scratch().join(format!("group-small-{tag}.json")));
         let mut cmd = Command::new(bin("sdq"));
@@ -743,7 +743,7 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
         let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
         let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        let stats: Value = budget.map_or(Value::Null, |_| serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap());
+        let stats: Value = budget.map_or(Value::Null, |_| read_json(&stats));
         (json["tokens"].clone(), logits, stats)
     };
     let (_, _, probe) = run_eval(Some("1G"), &[], "probe");
@@ -780,7 +780,7 @@ fn llama_bench_hints_only_of_one_prompts_ubatches() {
             300,
         );
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        (stderr(&o), serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap())
+        (stderr(&o), read_json(&stats))
     };
     let hints = |err: &str| -> Vec<String> { err.lines().filter(|l| l.starts_with("sdq: hint:")).map(String::from).collect() };
     let one_at_a_time = [("SDQ_GROUP", "1")];

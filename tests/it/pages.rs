@@ -20,7 +20,7 @@ fn run_paged(env: &[(&str, &str)], name: &str) -> (String, String, serde_json::V
         300,
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    let s = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s = read_json(&stats);
     (stdout(&o), stderr(&o), s)
 }
 
@@ -137,7 +137,7 @@ fn populating_ahead_stays_within_its_window_of_the_filled_slots() {
             300,
         );
         assert!(o.status.success(), "{}", stderr(&o));
-        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: serde_json::Value = read_json(&stats);
         (stdout(&o), s)
     };
     let (ahead, s) = run_with("ahead");

@@ -30,7 +30,7 @@ fn live(tag: &str, budget: &str, threads: u32, policy: &str, env: &[(&str, &str)
         300,
     );
     assert!(o.status.success(), "sdq eval {tag}: {}", stderr(&o));
-    let stats = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let stats = read_json(&stats);
     Live { stats, trace }
 }
 
@@ -166,7 +166,7 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         }
         let o = run(&mut cmd, 300);
         assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: Value = read_json(&stats);
         (serde_json::from_str::<Value>(&stdout(&o)).unwrap()["tokens"].clone(), s)
     };
     let (cold_tokens, _) = eval("none", false);
@@ -200,8 +200,7 @@ fn a_hot_set_is_saved_at_exit_and_read_back_between_steps() {
         assert_eq!(status, 200, "{reply}");
         // The stats file is rewritten each second: the next one counts the request.
         let answered = std::time::SystemTime::now();
-        poll_until(10, || std::fs::metadata(&stats).and_then(|m| m.modified()).ok().filter(|&t| t > answered))
-            .expect("the stats file is rewritten within 10 s of the request");
+        wait_until("the stats file rewritten after the request", 10, || std::fs::metadata(&stats).and_then(|m| m.modified()).ok().filter(|&t| t > answered));
         let misses = read("misses").unwrap() - before;
         drop(srv);
         (serde_json::from_str::<Value>(&reply).unwrap()["content"].clone(), misses)
@@ -346,7 +345,7 @@ fn curves(trace: &Path) -> Vec<f64> {
 /// that run far past RAM and the target's, a generated model's greedy decode
 /// replays close to the trained trace, and closer than the skewed default
 /// (whose decode falls into a loop of a few tokens that any cache of 2 token
-/// cycles holds). Measured (scripts/calibrate-routing, 16 layers, token
+/// cycles holds). Measured (scripts/calibrate-routing.py, 16 layers, token
 /// cycles in the arena's slots): largest difference over LRU and Bélády at
 /// 0.5-8 cycles, on the mean of seeds 5-7, 3.4 points (qwen35moe), 3.4
 /// (gpt-oss) and 3.9 (deepseek2).

@@ -169,7 +169,7 @@ fn the_host_pages_its_own_layers_beside_nodes_with_split_files() {
     let o = complete(&first, &[&a, &b], "4", &extra, &[]);
     assert!(o.status.success(), "{}\n{}\n{}", stderr(&o), a.log(), b.log());
     assert_eq!(stdout(&o), stock, "the paged split changed the text");
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&host_stats).unwrap()).unwrap();
+    let s: serde_json::Value = read_json(&host_stats);
     let host_layers: Vec<u64> = s["layers"].as_array().unwrap().iter().map(|l| u(l, "layer")).collect();
     // llama.cpp counts the output as a layer: -ngl 4 offloads layers 5-7 and the output.
     assert_eq!(host_layers, vec![0, 1, 2, 3, 4], "the host pages its own layers: {s}");

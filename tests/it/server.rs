@@ -41,7 +41,7 @@ fn prompt_cache_and_checkpoints_are_held_to_the_reserve() {
     stop(server);
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("the reserve is raised to 2.05 GiB"), "{text}");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert_eq!(u(&s, "reserve_bytes"), (2048 + 48) << 20, "{s}");
 
     // Drafting keeps each slot's recurrent state once more, and at least
@@ -167,7 +167,7 @@ fn a_failed_read_fails_its_batch_and_the_server_goes_on() {
     assert!(server.0.try_wait().unwrap().is_none(), "the server ended");
     let status = stop(server);
     assert!(status.success(), "{status}");
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: serde_json::Value = read_json(&stats);
     assert!(u(&s, "read_failures") >= failed.len() as u64 && u(&s, "read_retries") >= 3 * failed.len() as u64, "{s}");
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(text.contains("the batch is abandoned") && !text.contains("panicked"), "{text}");
@@ -290,7 +290,7 @@ fn the_arena_follows_a_lowered_and_raised_memory_limit_under_a_running_server() 
     for (i, (a, b)) in answers.iter().zip(&stock).enumerate() {
         assert_eq!(a, b, "prompt {i} ({}) answered differently from stock", prompts[i]);
     }
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert_eq!((u(&s, "arena_shrinks"), u(&s, "arena_grows")), (2, 1), "{s}");
     assert_eq!(u(&s, "arena_smallest_bytes"), min_arena, "{s}");
     let text = std::fs::read_to_string(&log).unwrap();
@@ -345,7 +345,7 @@ fn metrics_and_props_show_the_pagers_figures() {
     let (_, props) = http(port, "GET", "/props", None).unwrap();
     let props: Value = serde_json::from_str(&props).unwrap();
     assert!(stop(server).success());
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     for (metric, key) in [
         ("sdq_expert_hits_total", "hits"),
         ("sdq_expert_misses_total", "misses"),
@@ -405,7 +405,7 @@ fn drafting_under_a_budget_answers_as_stock() {
         let drafted = llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total");
         let accepted = llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total");
         assert!(drafted > 0.0 && accepted > 0.0, "{flags:?}: {drafted} drafted, {accepted} accepted: nothing was drafted");
-        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: Value = read_json(&stats);
         assert!(s["paged"] == true && u(&s, "misses") > 0, "{flags:?}: {s}");
         eprintln!("{flags:?}: {drafted} drafted, {accepted} accepted, identical to stock");
     }
@@ -428,7 +428,7 @@ fn drafting_under_a_budget_answers_as_stock() {
     let (drafted, accepted) =
         (llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total"), llamacpp_sample(&metrics, "spec_decode_num_accepted_tokens_total"));
     assert!(drafted > 0.0 && accepted > 0.0, "-md: {drafted} drafted, {accepted} accepted");
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(s["paged"] == true && u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= 1 << 30, "{s}");
 }
 
@@ -461,7 +461,7 @@ fn a_draft_model_with_experts_is_paged_beside_the_target() {
     let probe_stats = scratch().join("server-moe-draft-probe.json");
     let (probe, _) = start_server(&[&args[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
     assert!(stop(probe).success());
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     // One token cycle of both models: each paged layer's top-k.
     let cycle: u64 = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "expert_bytes") * u(&probe, "top_k")).sum();
     let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, cycle * 3 / 2);
@@ -474,7 +474,7 @@ fn a_draft_model_with_experts_is_paged_beside_the_target() {
     assert!(stop(server).success());
     assert_eq!(paged, stock, "-md with a draft model with experts: answered or drafted unlike stock (answers, drafted, accepted)");
 
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     let models = s["models"].as_array().unwrap();
     assert!(models.len() == 2 && models[1]["path"] == draft, "{s}");
     let first_draft_layer = u(&models[1], "first_layer");
@@ -542,7 +542,7 @@ fn mtp_drafting_under_a_budget_answers_as_stock() {
     let probe_stats = scratch().join("server-mtp-probe.json");
     let (probe, _) = start_server(&[&args[..], &["--ram-budget", "20G", "--sdq-reserve", "64M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
     assert!(stop(probe).success());
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     let budget = crate::pager::budget_for(&probe, 64 * crate::pager::MIB, 6 * crate::pager::MIB);
     let stats = scratch().join("server-mtp-stats.json");
     let (server, port) = start_server_env(
@@ -556,7 +556,7 @@ fn mtp_drafting_under_a_budget_answers_as_stock() {
     let drafted = llamacpp_sample(&metrics, "spec_decode_num_draft_tokens_total");
     assert!(drafted > 0.0, "nothing was drafted: {metrics}");
 
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(u(&s, "misses") > 0, "{s}");
     let nextn = s["layers"].as_array().unwrap().iter().find(|l| u(l, "layer") == 8).unwrap_or_else(|| panic!("the NextN block (layer 8) is not paged: {s}"));
     assert!(u(nextn, "hits") + u(nextn, "misses") > 0, "the NextN block's experts were never looked up: {nextn}");
@@ -646,7 +646,7 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     let (probe, port) = start_server(&[&args[..], &["--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
     chat(port, &short);
     assert!(stop(probe).success());
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     let two_layers = 2 * all_arena(&probe, 16) / 8;
     let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, two_layers + crate::pager::MIB);
     let sample = |metrics: &str, name: &str| -> f64 {
@@ -671,7 +671,7 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
         let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
         let total = sample(&metrics, "sdq_prompt_read_bytes_total");
         assert!(stop(server).success());
-        let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: Value = read_json(&stats);
         assert_eq!(sample(&metrics, "sdq_prompt_groups_total"), u(&s["prompt_groups"], "groups") as f64, "{tag}: {s}");
         assert!(s["prompt"]["touched_bytes"].as_u64().unwrap() > 0, "{tag}: {s}");
         (vec![first, again, second], total, s)
@@ -736,7 +736,7 @@ fn a_failed_read_inside_a_grouped_prompt_fails_that_request_only() {
     let (probe, port) = start_server(&[&args[..], &["--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]].concat());
     assert_eq!(http(port, "POST", "/completion", Some(&body)).unwrap().0, 200);
     assert!(stop(probe).success());
-    let probe: Value = serde_json::from_str(&std::fs::read_to_string(&probe_stats).unwrap()).unwrap();
+    let probe: Value = read_json(&probe_stats);
     let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / 8 + crate::pager::MIB);
     // Reads 150 to 199 fail every try: inside the first prompt's group.
     let plan: Vec<String> = (150..200).map(|n| format!("eio@{n}")).collect();
@@ -756,7 +756,7 @@ fn a_failed_read_inside_a_grouped_prompt_fails_that_request_only() {
     assert_eq!(content(&again), content(&stock), "the prompt asked again answered unlike stock");
     assert!(server.0.try_wait().unwrap().is_none(), "the server ended");
     assert!(stop(server).success());
-    let s: Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: Value = read_json(&stats);
     assert!(u(&s["prompt_groups"], "groups") >= 2 && u(&s, "read_failures") >= 1, "{s}");
     let text = std::fs::read_to_string(&log).unwrap();
     assert!(!text.contains("panicked"), "{text}");

@@ -162,7 +162,7 @@ fn batched_bench_runs_under_a_budget() {
     let table = stdout(&o);
     let rows: Vec<&str> = table.lines().filter(|l| l.trim_start().starts_with("|    32 |")).map(str::trim).collect();
     assert_eq!(rows.len(), 2, "table rows:\n{}", stdout(&o));
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: serde_json::Value = read_json(&stats);
     assert!(u(&s, "misses") > 0 && u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "{s}");
 }
 
@@ -211,7 +211,7 @@ fn imatrix_under_a_budget_writes_stocks_file() {
             300,
         );
         assert!(paged.status.success(), "{}", stderr(&paged));
-        let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+        let s: serde_json::Value = read_json(&stats);
         assert!(u(&s, "misses") > 0, "{family}: {s}");
         let names: Vec<String> = sdq::engine::model::gguf::Gguf::open(&out("paged")).unwrap().tensors().into_iter().map(|t| t.name).collect();
         assert!(

@@ -128,6 +128,7 @@ pub fn interrupt_until_exit<T>(pid: u32, mut exited: impl FnMut() -> Option<T>) 
     None
 }
 
+/// `poll`'s first `Some` within `secs` (asked every 50 ms), or None.
 pub fn poll_until<T>(secs: u64, mut poll: impl FnMut() -> Option<T>) -> Option<T> {
     let deadline = Instant::now() + Duration::from_secs(secs);
     loop {
@@ -139,6 +140,18 @@ pub fn poll_until<T>(secs: u64, mut poll: impl FnMut() -> Option<T>) -> Option<T
         }
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// `poll`'s first `Some` within `secs`; panics naming `what` otherwise.
+pub fn wait_until<T>(what: &str, secs: u64, poll: impl FnMut() -> Option<T>) -> T {
+    poll_until(secs, poll).unwrap_or_else(|| panic!("{what}: not within {secs} s"))
+}
+
+/// The JSON file at `path` (a stats file, a limit report), read whole.
+pub fn read_json(path: impl AsRef<Path>) -> serde_json::Value {
+    let path = path.as_ref();
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("cannot read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{} is not JSON: {e}\n{text}", path.display()))
 }
 
 /// Waits for `child` and collects its output, killing it after `timeout_s`.
@@ -239,27 +252,27 @@ pub fn start_server_logged(args: &[&str], env: &[(&str, &str)], log: Option<&Pat
 /// `secs`); panics, with the server's `log`, if `process` (the server, or
 /// what runs it) exits first.
 fn wait_healthy(port: u16, process: &mut Child, log: Option<&Path>, secs: u64) {
-    poll_until(secs, || {
+    wait_until("llama-server healthy", secs, || {
         if let Ok(Some(status)) = process.try_wait() {
             panic!("llama-server exited early: {status}\n{}", log.and_then(|p| std::fs::read_to_string(p).ok()).unwrap_or_default());
         }
         matches!(http(port, "GET", "/health", None), Ok((200, _))).then_some(())
-    })
-    .unwrap_or_else(|| panic!("llama-server not healthy within {secs} s"));
+    });
 }
 
 /// Waits until llama-server on `port` is answering a request (one of its
 /// slots is processing) or `done` says the requests are over, within 60 s.
 pub fn wait_processing(port: u16, done: impl Fn() -> bool) {
     let processing = || http(port, "GET", "/slots", None).is_ok_and(|(status, body)| status == 200 && body.contains("\"is_processing\":true"));
-    poll_until(60, || (done() || processing()).then_some(())).expect("llama-server answers a request within 60 s");
+    wait_until("llama-server answering a request", 60, || (done() || processing()).then_some(()));
 }
 
 /// The first child of process `pid` (a runner's command), once it has one
 /// (within 10 s).
 pub fn child_of(pid: u32) -> u32 {
-    poll_until(10, || std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?.split_whitespace().next()?.parse().ok())
-        .unwrap_or_else(|| panic!("process {pid} started no command within 10 s"))
+    wait_until(&format!("process {pid} starting its command"), 10, || {
+        std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).ok()?.split_whitespace().next()?.parse().ok()
+    })
 }
 
 /// `v[key]` as a number (panics naming what is missing).
@@ -303,7 +316,7 @@ pub fn tight_budget(tool: &str, args: &[&str], env: &[(&str, &str)], extra: u64)
         300,
     );
     assert!(o.status.success(), "probe {tool} {args:?}: {}", stderr(&o));
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s = read_json(&stats);
     let min = min_arena(&s);
     // 1 MiB more: anonymous RSS after load varies a little between runs.
     (held_after_load(&s) + 16 * (1 << 20) + min + (1 << 20) + extra).to_string()
@@ -341,7 +354,7 @@ impl LimitedServer {
     /// Stops the server with SIGINT (its clean shutdown) and returns the runner's report.
     pub fn stop(mut self) -> serde_json::Value {
         interrupt_until_exit(self.pid, || self.runner.try_wait().unwrap()).expect("llama-server stops within 30 s of SIGINT");
-        serde_json::from_str(&std::fs::read_to_string(&self.report).unwrap()).unwrap()
+        read_json(&self.report)
     }
 }
 
@@ -391,7 +404,7 @@ pub fn set_limit(pid: u32, limit: u64) -> serde_json::Value {
     let report = scratch().join(format!("set-limit-{pid}.json"));
     let o = run(Command::new(bin("sdq")).args(["limit", "--pid", &pid.to_string(), "--memory", &limit.to_string(), "--report", report.to_str().unwrap()]), 60);
     assert!(o.status.success(), "sdq limit --pid {pid} --memory {limit}: {}", stderr(&o));
-    serde_json::from_str(&std::fs::read_to_string(&report).unwrap()).unwrap()
+    read_json(&report)
 }
 
 /// Anonymous RSS of process `pid`.

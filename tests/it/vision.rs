@@ -78,21 +78,17 @@ pub(crate) fn image() -> PathBuf {
     p
 }
 
+/// llama-mtmd-cli with `model`, its projector `mmproj` and `image`, then `args`.
+fn mtmd_cli(model: &Path, mmproj: &Path, image: &Path, args: &[&str]) -> std::process::Output {
+    let mut cmd = Command::new(bin("llama-mtmd-cli"));
+    cmd.arg("-m").arg(model).arg("--mmproj").arg(mmproj).arg("--image").arg(image).args(args);
+    run(&mut cmd, 300)
+}
+
 /// llama-mtmd-cli on the image, greedy, with `extra` arguments: (stdout, stderr, status).
 pub(crate) fn describe(extra: &[&str]) -> (String, String, Option<i32>) {
     let (model, mmproj) = vision_model();
-    let o = run(
-        Command::new(bin("llama-mtmd-cli"))
-            .arg("-m")
-            .arg(model)
-            .arg("--mmproj")
-            .arg(mmproj)
-            .arg("--image")
-            .arg(image())
-            .args(["-p", "Describe the picture", "-n", "16", "--top-k", "1", "-t", "2"])
-            .args(extra),
-        300,
-    );
+    let o = mtmd_cli(model, mmproj, &image(), &[&["-p", "Describe the picture", "-n", "16", "--top-k", "1", "-t", "2"][..], extra].concat());
     (stdout(&o), stderr(&o), o.status.code())
 }
 
@@ -119,7 +115,7 @@ fn an_image_prompt_gives_stocks_tokens_under_a_budget() {
     let (paged, err, code) = describe(&["--ram-budget", "1G", "--sdq-stats", stats.to_str().unwrap()]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(paged, stock, "an image prompt under a budget answered differently from stock");
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: serde_json::Value = read_json(&stats);
     assert_eq!(s["paged"], true, "{s}");
     assert_eq!(s["hit_rate"].as_f64(), Some(1.0), "every expert resident at 1 GiB: {s}");
 
@@ -133,7 +129,7 @@ fn an_image_prompt_gives_stocks_tokens_under_a_budget() {
     let (paged, err, code) = describe(&["--ram-budget", &budget.to_string(), "--sdq-stats", stats.to_str().unwrap()]);
     assert_eq!(code, Some(0), "{err}");
     assert_eq!(paged, stock, "an image prompt at a tight budget answered differently from stock");
-    let s: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&stats).unwrap()).unwrap();
+    let s: serde_json::Value = read_json(&stats);
     assert!(s["misses"].as_u64().unwrap() > 0 && s["hit_rate"].as_f64().unwrap() < 0.9, "the arena was not tight: {s}");
     assert!(s["projector_weights_bytes"].as_u64().unwrap() > 4 << 20 && s["projector_compute_bytes"].as_u64().unwrap() > 0, "{s}");
     let peak = s["peak_rss_anon_bytes"].as_u64().unwrap();
@@ -166,17 +162,7 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
         600,
     );
     assert!(o.status.success(), "{}", stderr(&o));
-    let o = run(
-        Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(&other).arg("--image").arg(image()).args([
-            "-p",
-            "Hi",
-            "-n",
-            "2",
-            "--ram-budget",
-            "1G",
-        ]),
-        300,
-    );
+    let o = mtmd_cli(model, &other, &image(), &["-p", "Hi", "-n", "2", "--ram-budget", "1G"]);
     let err = stderr(&o);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(stdout(&o).trim().is_empty(), "answered with a projector for another model: {}", stdout(&o));
@@ -187,17 +173,7 @@ fn a_projector_for_another_model_and_an_unreadable_image_are_clear_errors() {
     std::fs::write(&bad, b"not a png").unwrap();
     for (path, says) in [(scratch().join("vision-missing.png"), "Unable to open file"), (bad.clone(), "failed to decode buffer")] {
         let (model, mmproj) = vision_model();
-        let o = run(
-            Command::new(bin("llama-mtmd-cli")).arg("-m").arg(model).arg("--mmproj").arg(mmproj).arg("--image").arg(&path).args([
-                "-p",
-                "Hi",
-                "-n",
-                "2",
-                "--ram-budget",
-                "1G",
-            ]),
-            300,
-        );
+        let o = mtmd_cli(model, mmproj, &path, &["-p", "Hi", "-n", "2", "--ram-budget", "1G"]);
         let err = stderr(&o);
         assert_eq!(o.status.code(), Some(1), "{}: {err}", path.display());
         // Upstream's message, then patch 0005's line naming the file.
