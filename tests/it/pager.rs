@@ -17,6 +17,7 @@ pub(crate) struct Eval {
     pub json: Value,
     pub logits: Vec<f32>,
     pub stats: Option<Value>,
+    pub stderr: String,
 }
 
 pub(crate) fn eval(model: &Path, tag: &str, args: &[&str]) -> Eval {
@@ -38,8 +39,8 @@ pub(crate) fn eval_env(model: &Path, tag: &str, args: &[&str], env: &[(&str, &st
     assert!(out.status.success(), "sdq eval {args:?} failed:\n{}", stderr(&out));
     let json = serde_json::from_str(&stdout(&out)).unwrap_or_else(|e| panic!("{e}: {}", stdout(&out)));
     let logits = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-    let stats = std::fs::read_to_string(&stats).ok().map(|s| serde_json::from_str(&s).unwrap());
-    Eval { json, logits, stats }
+    let stats = stats.exists().then(|| read_json(&stats));
+    Eval { json, logits, stats, stderr: stderr(&out) }
 }
 
 pub(crate) fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
@@ -666,20 +667,12 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     let prompt = scratch().join("hint-prompt.txt");
     std::fs::write(&prompt, made_up_words(400, 7)).unwrap();
     let run_eval = |ubatch: &str, budget: Option<&str>, tag: &str| {
-        let (logits, stats) = (scratch().join(format!("hint-{tag}.bin")), scratch().join(format!("hint-{tag}.json")));
-        let mut cmd = Command::new(bin("sdq"));
-        cmd.env("SDQ_GROUP", "1");
-        cmd.args(["eval", "-m", model.to_str().unwrap(), "--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", ubatch]);
-        cmd.args(["--logits", logits.to_str().unwrap()]);
+        let mut args = vec!["--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", ubatch];
         if let Some(b) = budget {
-            cmd.args(["--ram-budget", b, "--sdq-reserve", "32M", "--sdq-stats", stats.to_str().unwrap()]);
+            args.extend(["--ram-budget", b, "--sdq-reserve", "32M"]);
         }
-        let o = run(&mut cmd, 300);
-        assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
-        let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        let stats: Option<Value> = budget.map(|_| read_json(&stats));
-        (json["tokens"].clone(), logits, stats, stderr(&o))
+        let e = eval_env(&model, &format!("hint-{tag}"), &args, &[("SDQ_GROUP", "1")]);
+        (e.json["tokens"].clone(), e.logits, e.stats, e.stderr)
     };
     let (_, _, probe, _) = run_eval("128", Some("1G"), "probe");
     let probe = probe.unwrap();
@@ -704,62 +697,6 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     let read = |s: &Value| u(&s["prompt"], "bytes_read");
     assert!((read(&after) as f64) < 0.8 * read(&before) as f64, "-ub {ub} read {} B of experts for the prompt, -ub 128 {}", read(&after), read(&before));
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
-}
-
-/// An arena smaller than one layer's experts still computes a batch's
-/// ubatches together, layer by layer: it holds the experts they touch at a
-/// layer (routing that favours some), so the prompt reads far less than one
-/// ubatch at a time (`SDQ_GROUP=1`), and both give stock's tokens and
-/// logits with the same flags.
-#[test]
-fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
-    let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
-    let prompt = scratch().join("group-small-arena.txt");
-    std::fs::write(&prompt, made_up_words(250, 5)).unwrap();
-    let run_eval = |budget: Option<&str>, env: &[(&str, &str)], tag: &str| {
-        let (logits, stats) = (scratch().join(format!("group-small-{tag}.bin")), scratch().join(format!("group-small-{tag}.json")));
-        let mut cmd = Command::new(bin("sdq"));
-        cmd.envs(env.iter().copied());
-        cmd.args([
-            "eval",
-            "-m",
-            model.to_str().unwrap(),
-            "--prompt-file",
-            prompt.to_str().unwrap(),
-            "-n",
-            "4",
-            "-c",
-            "2048",
-            "--ubatch",
-            "128",
-            "--batch",
-            "2048",
-        ]);
-        cmd.args(["--logits", logits.to_str().unwrap()]);
-        if let Some(b) = budget {
-            cmd.args(["--ram-budget", b, "--sdq-reserve", "64M", "--sdq-stats", stats.to_str().unwrap()]);
-        }
-        let o = run(&mut cmd, 300);
-        assert!(o.status.success(), "{tag}: {}", stderr(&o));
-        let json: Value = serde_json::from_str(&stdout(&o)).unwrap();
-        let logits: Vec<f32> = std::fs::read(&logits).unwrap().chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect();
-        let stats: Value = budget.map_or(Value::Null, |_| read_json(&stats));
-        (json["tokens"].clone(), logits, stats)
-    };
-    let (_, _, probe) = run_eval(Some("1G"), &[], "probe");
-    // One layer's experts in each slot class (the tiny preset's layers
-    // differ in their down tensor's type): an arena of three quarters of that.
-    let layer: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * 128).sum();
-    let budget = budget_for(&probe, 64 * MIB, layer * 3 / 4);
-    let (stock_tokens, stock_logits, _) = run_eval(None, &[], "stock");
-    let (tokens, logits, grouped) = run_eval(Some(&budget), &[], "grouped");
-    let (alone_tokens, alone_logits, alone) = run_eval(Some(&budget), &[("SDQ_GROUP", "1")], "alone");
-    assert!(u(&grouped, "arena_bytes") < layer, "the arena holds a whole layer: {grouped}");
-    assert!(u(&grouped["prompt_groups"], "groups") >= 1 && u(&grouped["prompt_groups"], "ubatches") >= 3, "not grouped: {grouped}");
-    assert_eq!((&tokens, max_abs_diff(&logits, &stock_logits)), (&stock_tokens, 0.0), "grouped against stock");
-    assert_eq!((&alone_tokens, max_abs_diff(&alone_logits, &stock_logits)), (&stock_tokens, 0.0), "one ubatch at a time against stock");
-    let read = |s: &Value| u(&s["prompt"], "bytes_read") as f64;
-    assert!(read(&grouped) < 0.7 * read(&alone), "grouped read {} B, one ubatch at a time {} B", read(&grouped), read(&alone));
 }
 
 /// llama-bench computes each prompt several times from its start (a

@@ -375,6 +375,12 @@ impl Pager {
         self.every_class_holds(|layers| layers)
     }
 
+    /// True if every class has a slot for each expert of one of its layers:
+    /// a prompt's ubatches computed layer by layer read each expert once.
+    pub fn holds_a_layer(&self) -> bool {
+        self.every_class_holds(|layers| layers.min(1))
+    }
+
     /// True if every class has slots for all experts of `held(its layers)`
     /// layers.
     fn every_class_holds(&self, held: impl Fn(usize) -> usize) -> bool {

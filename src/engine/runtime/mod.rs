@@ -572,17 +572,20 @@ impl Runtime {
 
     /// How many of a decode's `n_ubatches` ubatches to compute together,
     /// layer by layer (1: one at a time). All of them, up to `SDQ_GROUP`,
-    /// whatever the arena holds: a layer's experts that a group touches are
-    /// far fewer than all of them (a trained model's routing favours some),
-    /// and an arena under one layer's experts still holds those (DeepSeek-V3
-    /// cut to 19 layers at 8 GiB: 192 slots, a layer's 256 experts, about 132
-    /// of them touched a layer by a 2,115-token prompt); where it does not,
-    /// a group reads some experts again, as one ubatch at a time does.
+    /// where the arena holds one layer's experts. A smaller arena would hold
+    /// what a group touches at a layer (DeepSeek-V3 cut to 19 layers at 8
+    /// GiB: 192 slots, about 132 of a layer's 256 experts touched by a
+    /// 2,115-token prompt), but a group stages its ubatches beside the plan
+    /// (its first one always), and in a budget that tight that memory is
+    /// not there: a 512-token DeepSeek ubatch staged 31 MiB over a 64 MiB
+    /// reserve and was OOM-killed at its limit (tests/it/far.rs). Until a
+    /// group's staging is planned with the arena, such arenas keep stock's
+    /// order.
     pub fn group_size(&self, n_ubatches: u32) -> u32 {
         let cap = self.options.group.unwrap_or(u32::MAX);
         // A trace's steps are ubatches, each layer after layer (the replay
         // reproduces the run's decisions from that order).
-        if self.tracing() {
+        if self.tracing() || self.pager.get().is_some_and(|(p, _)| !p.holds_a_layer()) {
             return 1;
         }
         n_ubatches.min(cap)
@@ -692,7 +695,7 @@ impl Runtime {
         // Where a batch's ubatches are computed together, a prompt's steps
         // are its llama_decode batches: one batch of the whole prompt reads
         // each expert once, and -ub changes nothing.
-        if self.options.group.map_or(true, |n| n > 1) && !self.tracing() {
+        if pager.holds_a_layer() && self.options.group.map_or(true, |n| n > 1) && !self.tracing() {
             let Some(batch) = run.batch_hint(size) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
                 eprintln!(
