@@ -490,9 +490,7 @@ impl Pager {
             }
             let victim = {
                 let (slots, res) = (&st.slots, &st.res);
-                res.victim(layer, class.clone(), &|s| {
-                    slots[s].pins == 0 && !matches!(res.key(s), Some(ExpertKey { layer: l, expert: _ }) if l == current || l == layer)
-                })
+                res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some(k) if k.layer == current || k.layer == layer))
             };
             let Some(slot) = victim else { break };
             let evicted = st.res.fill(slot, ExpertKey::new(layer, e));

@@ -291,10 +291,10 @@ impl Freq {
             self.slots[slot] = to;
             return;
         }
-        if let Some((ExpertKey { layer: l, expert: _ }, _)) = self.slots[slot] {
+        if let Some((ExpertKey { layer: l, .. }, _)) = self.slots[slot] {
             self.held[l as usize] -= 1;
         }
-        if let Some((ExpertKey { layer: l, expert: _ }, _)) = to {
+        if let Some((ExpertKey { layer: l, .. }, _)) = to {
             if self.held.len() <= l as usize {
                 self.held.resize(l as usize + 1, 0);
             }
@@ -312,7 +312,7 @@ impl Freq {
         }
         let mut held = vec![0usize; n];
         for s in slots.clone() {
-            if let Some((ExpertKey { layer: l, expert: _ }, _)) = self.slots[s] {
+            if let Some((ExpertKey { layer: l, .. }, _)) = self.slots[s] {
                 held[l as usize] += 1;
             }
         }
@@ -475,7 +475,7 @@ impl Policy for Freq {
             // Under its share: from a layer over its own.
             self.farthest(layer, slots.clone(), evictable, &|s| match self.slots[s] {
                 None => true,
-                Some((ExpertKey { layer: l, expert: _ }, _)) => held[l as usize] > share,
+                Some((ExpertKey { layer: l, .. }, _)) => held[l as usize] > share,
             })
         };
         // Nothing so allowed is evictable (pinned, or a prefetch that may

@@ -79,7 +79,7 @@ impl Residency {
         for &e in experts {
             batch[e as usize] = true;
         }
-        let in_batch = |keys: &[Option<ExpertKey>], s: SlotId| matches!(keys[s], Some(ExpertKey { layer: l, expert: e }) if l == layer && batch.get(e as usize) == Some(&true));
+        let in_batch = |keys: &[Option<ExpertKey>], s: SlotId| matches!(keys[s], Some(k) if k.layer == layer && batch.get(k.expert as usize) == Some(&true));
         for &e in experts {
             let key = ExpertKey::new(layer, e);
             if let Some(slot) = self.slot_of(key) {
