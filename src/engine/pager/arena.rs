@@ -286,39 +286,52 @@ impl Arena {
     }
 
     /// What of the arena the kernel holds now: bytes backed by memory of
-    /// any page size (`Rss` and `Private_Hugetlb`, which `Rss` leaves out)
-    /// and bytes in huge pages (`AnonHugePages` and `Private_Hugetlb`), from
-    /// its entries in /proc/self/smaps, read once (the kernel walks every
-    /// mapping's page tables to write that file); None if unreadable.
+    /// any page size, from `mincore` over the mapping, and bytes in huge
+    /// pages (`AnonHugePages` and `Private_Hugetlb` of its entries in
+    /// /proc/self/smaps, read once: the kernel walks every mapping's page
+    /// tables to write that file); None if either is unreadable.
+    ///
+    /// Not `Rss` from smaps: the kernel merges the arena's small-page part
+    /// with an adjacent mapping of the same flags (glibc maps a thread's
+    /// malloc heap MAP_NORESERVE, as the arena is), and that entry's `Rss`
+    /// then counts the neighbour's pages too (CI saw 564 KiB "held" by an
+    /// arena given back whole).
     pub fn pages_held(&self) -> Option<PagesHeld> {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
+        let mut core = vec![0u8; self.len.div_ceil(page)];
+        // SAFETY: base..base+len is the live mapping (page-aligned), and
+        // `core` has one byte for each of its pages, as mincore writes.
+        if unsafe { libc::mincore(self.base.as_ptr().cast(), self.len, core.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        let resident = core.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64;
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base.as_ptr() as usize, self.base.as_ptr() as usize + self.len);
-        let mut inside = false;
-        let mut held = PagesHeld::default();
+        // The bytes of the current entry inside the arena (0: outside).
+        let mut overlap = 0u64;
+        let mut huge = 0u64;
         for line in smaps.lines() {
             if let Some((range, _)) = line.split_once(' ') {
                 if let Some((a, b)) = range.split_once('-') {
                     if let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16)) {
-                        inside = a < hi && b > lo;
+                        overlap = b.min(hi).saturating_sub(a.max(lo)) as u64;
                         continue;
                     }
                 }
             }
-            if !inside {
+            if overlap == 0 {
                 continue;
             }
             let Some((field, kb)) = line.split_once(':') else { continue };
-            let (resident, huge) = match field {
-                "Rss" => (true, false),
-                "AnonHugePages" => (false, true),
-                "Private_Hugetlb" => (true, true),
-                _ => continue,
-            };
-            let bytes = kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
-            held.resident += if resident { bytes } else { 0 };
-            held.huge += if huge { bytes } else { 0 };
+            if field == "AnonHugePages" || field == "Private_Hugetlb" {
+                let bytes = kb.trim().trim_end_matches("kB").trim().parse::<u64>().ok()? * 1024;
+                // A merged neighbour's huge pages cannot be told apart:
+                // at most the entry's bytes inside the arena count.
+                huge += bytes.min(overlap);
+            }
         }
-        Some(held)
+        Some(PagesHeld { resident, huge: huge.min(resident) })
     }
 
     pub fn classes(&self) -> &[SlotClass] {
@@ -573,6 +586,51 @@ mod tests {
             assert!(a.slot(1).iter().chain(a.slot(2)).all(|&b| b == 0));
             a.slot_mut(2).fill(9);
             assert!(a.slot(2).iter().all(|&b| b == 9));
+        }
+    }
+
+    #[test]
+    fn pages_held_counts_the_arena_and_not_a_neighbour_merged_with_it() {
+        // A neighbour as glibc makes one for a thread's malloc arena
+        // (MAP_NORESERVE, read-write): right before the arena (mmap places
+        // mappings top-down, so that range is usually free) or right after
+        // it, where the kernel merges the two into one smaps entry. A new
+        // arena is tried while both sides are taken (MAP_FIXED_NOREPLACE
+        // never replaces a mapping).
+        let neighbour = |at: usize| {
+            // SAFETY: a fresh private anonymous mapping at `at`, or none.
+            let p = unsafe {
+                libc::mmap(
+                    at as *mut libc::c_void,
+                    1 << 20,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE | libc::MAP_FIXED_NOREPLACE,
+                    -1,
+                    0,
+                )
+            };
+            (p != libc::MAP_FAILED).then_some(p)
+        };
+        let mut tried = Vec::new();
+        let (a, next) = loop {
+            let a = Arena::with_backing(&[(64 << 10, 4)], Backing::Small).unwrap();
+            let (lo, hi) = (a.base.as_ptr() as usize, a.base.as_ptr() as usize + a.len());
+            if let Some(p) = neighbour(lo - (1 << 20)).or_else(|| neighbour(hi)) {
+                break (a, p);
+            }
+            assert!(tried.len() < 64, "no free range beside 64 arenas");
+            tried.push(a);
+        };
+        // SAFETY: `next` is the 1 MiB mapping made above, unmapped at the
+        // end; the arena's slots are used by nothing else in this test.
+        unsafe {
+            std::ptr::write_bytes(next.cast::<u8>(), 1, 1 << 20);
+            assert_eq!(a.pages_held().unwrap().resident, 0, "an untouched arena holds nothing");
+            a.slot_mut(1).fill(3);
+            assert_eq!(a.pages_held().unwrap().resident, 64 << 10);
+            a.discard(0..4).unwrap();
+            assert_eq!(a.pages_held().unwrap().resident, 0, "a discarded arena holds nothing");
+            libc::munmap(next, 1 << 20);
         }
     }
 }
