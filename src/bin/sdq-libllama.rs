@@ -1,4 +1,4 @@
-//! `libllama.so` with sdq's pager inside: built as a shared object (build.rs
+//! `libllama.so` with sdq's pager inside: built as a shared object (build/link.rs
 //! links this target with `-shared`, upstream's SONAME and llama.cpp's and
 //! ggml's archives whole) and installed as target/release/lib/libllama.so.
 //! Loading it runs `sdq::host::library::init_from_env`.

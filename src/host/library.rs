@@ -6,7 +6,7 @@
 //!
 //! `sdq-libllama` (src/bin/sdq-libllama.rs) is that library: the pinned
 //! llama.cpp and ggml, whole, with this crate inside, linked as a shared
-//! object under upstream's SONAME (build.rs).
+//! object under upstream's SONAME (build/link.rs).
 
 use crate::engine::runtime::options::Options;
 use crate::engine::{hooks, runtime};

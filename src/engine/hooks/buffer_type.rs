@@ -9,7 +9,7 @@ use std::ffi::{c_char, c_void};
 use std::sync::OnceLock;
 
 /// Bytes reserved per paged tensor. ggml checks alloc_size >= nbytes only
-/// with a plain assert, compiled out in the Release build (see build.rs).
+/// with a plain assert, compiled out in the Release build (see build/cmake.rs).
 pub const PLACEHOLDER_BYTES: usize = 4096;
 
 struct BufferType(Box<sys::ggml_backend_buffer_type>);
