@@ -2,11 +2,11 @@
 //! `replay`, `limit`, `eval`, `bench-disk`): each one's arguments and the
 //! few lines that call its module in `src/commands/`.
 //!
-//! Over 600 lines: one argument struct and one short handler per
-//! subcommand, most of it `gen-model`'s flags and their help.
+//! `gen-model`'s flags live with it (`commands::genmodel::GenModelArgs`):
+//! there are thirty, and turning them into a model's spec is its logic.
 
 use clap::{Parser, Subcommand};
-use sdq::commands::genmodel::{self, Arch, GenOptions, ModelSpec};
+use sdq::commands::genmodel;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -20,7 +20,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Write a MoE GGUF model with real quantized tensors and random weights.
-    GenModel(Box<GenModelArgs>),
+    GenModel(Box<genmodel::GenModelArgs>),
     /// The main job on a built-in default: a generated ~4.8 GB MoE model run
     /// greedily in a 1.5 GiB RAM budget, checked against stock llama.cpp.
     Demo(DemoArgs),
@@ -378,231 +378,6 @@ fn eval(a: EvalArgs) -> sdq::Result<()> {
     Ok(())
 }
 
-#[derive(clap::Args)]
-struct GenModelArgs {
-    /// Output file.
-    #[arg(short, long)]
-    out: PathBuf,
-    /// Starting geometry: tiny (tens of MB), 35b-a3b (the 35B-A3B target,
-    /// ~21 GB), gpt-oss-120b (~64 GB, MXFP4 experts), gpt-oss-20b (~13 GB)
-    /// or deepseek-v3 (~400 GB at Q4_K_M's rule; cut it with --layers).
-    #[arg(long, default_value = "tiny")]
-    preset: String,
-    /// Architecture family: qwen35moe, qwen3moe, qwen3next, gpt-oss, deepseek2, glm4moe,
-    /// gemma4 or llama (Mixtral); each brings its own tensors, metadata and defaults.
-    #[arg(long)]
-    arch: Option<String>,
-    /// Layers (a preset's depth cut to N; state the cut with the figures).
-    #[arg(long)]
-    layers: Option<u32>,
-    /// Leading layers with a dense FFN instead of experts (deepseek2, glm4moe).
-    #[arg(long)]
-    dense_layers: Option<u32>,
-    /// NextN (multi-token prediction) blocks after the last layer, as
-    /// Qwen3.5/3.6 and GLM ship them: 0 or 1 (qwen35moe, glm4moe; the
-    /// family's default otherwise). llama.cpp loads one only for
-    /// `--spec-type draft-mtp`.
-    #[arg(long)]
-    nextn: Option<u32>,
-    #[arg(long)]
-    n_embd: Option<i64>,
-    /// Attention heads (and --kv-heads, --head-dim).
-    #[arg(long)]
-    heads: Option<i64>,
-    #[arg(long)]
-    kv_heads: Option<i64>,
-    #[arg(long)]
-    head_dim: Option<i64>,
-    /// Routed experts per layer.
-    #[arg(long)]
-    experts: Option<i64>,
-    /// Experts used per token.
-    #[arg(long)]
-    top_k: Option<i64>,
-    /// Width of one routed expert's FFN.
-    #[arg(long)]
-    expert_ff: Option<i64>,
-    /// Width of the shared expert's FFN (0: none).
-    #[arg(long)]
-    shared_ff: Option<i64>,
-    /// Vocabulary size (at least the tokenizer's 151,936; the rest is padding).
-    #[arg(long)]
-    vocab: Option<usize>,
-    #[arg(long)]
-    context_length: Option<u32>,
-    /// qwen35moe: layer i is full attention iff (i + 1) % N == 0, the rest linear attention.
-    #[arg(long)]
-    full_attention_interval: Option<u32>,
-    /// Write gate and up experts as one fused ffn_gate_up_exps tensor.
-    #[arg(long)]
-    fused_gate_up: bool,
-    /// Type of all routed-expert tensors (e.g. q8_0, q4_0, q5_K) instead of the Q4_K_M rule.
-    #[arg(long)]
-    expert_type: Option<String>,
-    /// Router preference for some experts: 0 = near-uniform routing (the worst case
-    /// for a cache), 2 = trained-looking hot and cold experts.
-    #[arg(long, allow_negative_numbers = true)]
-    router_skew: Option<f32>,
-    /// How much of the earlier tokens the hidden states (and so the routers)
-    /// carry: the scale of the attention output projections, 0.15 by default.
-    #[arg(long)]
-    context_gain: Option<f32>,
-    /// How strongly attention favours the last few tokens, so that a token
-    /// reuses some of its neighbours' experts as trained models do (0, the
-    /// default: not at all).
-    #[arg(long)]
-    recency: Option<f32>,
-    /// How much of the previous tokens' routing input each attention layer
-    /// carries forward, so that neighbouring tokens share experts (0, the
-    /// default: none).
-    #[arg(long)]
-    carry: Option<f32>,
-    /// Routing as a whole: `skewed` (the default: --router-skew 2, hot and
-    /// cold experts, little reuse between neighbouring tokens) or `trained`
-    /// (the architecture's skew, context gain, recency and carry calibrated
-    /// against a trained model's routing trace); --router-skew,
-    /// --context-gain, --recency and --carry given beside it win.
-    #[arg(long, default_value = "skewed")]
-    routing: String,
-    #[arg(long, default_value_t = 1)]
-    seed: u64,
-    /// Quantizer threads (default: all cores).
-    #[arg(long)]
-    threads: Option<usize>,
-    /// GGUF whose tokenizer is copied (default: the vendored ggml-vocab-qwen35.gguf,
-    /// or ggml-vocab-deepseek-llm.gguf for a vocabulary smaller than its 151,936).
-    #[arg(long)]
-    vocab_file: Option<PathBuf>,
-    /// Write the model in parts of at most SIZE of tensor data each, named
-    /// and keyed as `llama-gguf-split --split-max-size` writes them
-    /// (OUT-00001-of-0000N.gguf); llama.cpp is given the first.
-    #[arg(long)]
-    split_max_size: Option<String>,
-    /// Also write a MiniCPM-V 4.6 vision projector for this model here (the
-    /// model then gets the image tokens its template needs).
-    #[arg(long)]
-    mmproj: Option<PathBuf>,
-    /// Also write a LoRA adapter for this model here (`--lora` loads it): it
-    /// adapts the attention layers' value projections and the MoE layers'
-    /// up experts.
-    #[arg(long)]
-    lora: Option<PathBuf>,
-    /// The adapter's rank.
-    #[arg(long, default_value_t = sdq::commands::genmodel::lora::DEFAULT_RANK)]
-    lora_rank: i64,
-    /// The projector's vision tower: small (5 MB) or so400m (SigLIP-so400m,
-    /// ~0.9 GB, the real one's size); default: so400m for --preset 35b-a3b.
-    #[arg(long)]
-    mmproj_size: Option<String>,
-}
-
-fn gen_model(a: GenModelArgs) -> sdq::Result<()> {
-    let mut spec = ModelSpec::preset(&a.preset)?;
-    if let Some(arch) = &a.arch {
-        let arch = Arch::from_name(arch)?;
-        if ModelSpec::preset_is_a_model(&a.preset) && arch != spec.arch {
-            return Err(sdq::Error::flag(
-                "--arch",
-                format!("--arch {} conflicts with --preset {}, which is a {} model", arch.name(), a.preset, spec.arch.name()),
-            ));
-        }
-        if arch != spec.arch {
-            spec.set_arch(arch);
-        }
-    }
-    macro_rules! set {
-        ($($field:ident = $arg:ident),*) => { $(if let Some(v) = a.$arg { spec.$field = v; })* };
-    }
-    set!(
-        n_layer = layers,
-        n_embd = n_embd,
-        n_head = heads,
-        n_head_kv = kv_heads,
-        head_dim = head_dim,
-        n_expert = experts,
-        n_expert_used = top_k,
-        n_ff_exp = expert_ff,
-        n_ff_shexp = shared_ff,
-        n_vocab = vocab,
-        context_length = context_length,
-        full_attention_interval = full_attention_interval,
-        n_layer_dense_lead = dense_layers,
-        n_nextn = nextn
-    );
-    spec.fused_gate_up |= a.fused_gate_up;
-    spec.seed = a.seed;
-    match a.routing.as_str() {
-        "skewed" => {}
-        "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.trained_routing(),
-        other => return Err(sdq::Error::flag("--routing", format!("--routing '{other}' is not skewed or trained"))),
-    }
-    if let Some(s) = a.router_skew {
-        spec.router_skew = s;
-    }
-    if let Some(g) = a.context_gain {
-        spec.context_gain = g;
-    }
-    if let Some(r) = a.recency {
-        spec.recency = r;
-    }
-    if let Some(c) = a.carry {
-        spec.carry = c;
-    }
-    if let Some(t) = &a.expert_type {
-        spec.expert_type = Some(
-            sdq::engine::ffi::ggml::GgmlType::from_name(t)
-                .ok_or_else(|| sdq::Error::flag("--expert-type", format!("unknown ggml type '{t}' for --expert-type")))?,
-        );
-    }
-    let threads = a.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let vocab_file = a.vocab_file.unwrap_or_else(|| genmodel::vocab_file_for(spec.n_vocab));
-    if a.mmproj.is_some() && a.vocab.is_none() {
-        // Room for the image tokens after the tokenizer's own.
-        let n_tokens = sdq::engine::model::gguf::Gguf::open(&vocab_file)?.get("tokenizer.ggml.tokens").map_or(0, |v| match v {
-            sdq::engine::model::gguf::Value::Array(a) => a.len(),
-            _ => 0,
-        });
-        spec.n_vocab = spec.n_vocab.max(n_tokens + genmodel::IMAGE_TOKENS.len());
-    }
-    let split_max_bytes = match &a.split_max_size {
-        Some(s) => match sdq::units::parse_size(s) {
-            Ok(0) | Err(_) => return Err(sdq::Error::flag("--split-max-size", format!("--split-max-size: '{s}' is not a size (e.g. 50G, 4000M)"))),
-            Ok(n) => Some(n),
-        },
-        None => None,
-    };
-    // Before the model is written, not after.
-    genmodel::lora::check_rank(a.lora_rank)?;
-    if split_max_bytes.is_some() && a.mmproj.is_some() {
-        return Err(sdq::Error::flag("--split-max-size", "--split-max-size and --mmproj: a projector is one file; generate it apart".to_string()));
-    }
-    let opts = GenOptions { out: a.out, vocab_file, threads, progress: true, preset: a.preset, image_tokens: a.mmproj.is_some(), split_max_bytes };
-    let size = a.mmproj_size.as_deref().unwrap_or(genmodel::Projector::default_for(&opts.preset));
-    genmodel::Projector::named(size, &spec)?; // before the text model is written
-    let report = genmodel::generate(&spec, &opts)?;
-    if let Some(path) = &a.mmproj {
-        let r = genmodel::generate_mmproj(&spec, &GenOptions { out: path.clone(), ..opts.clone() }, size)?;
-        println!("wrote {} ({} bytes, {} tensors, MiniCPM-V 4.6 projector, {size} tower) in {:.1} s", r.path.display(), r.bytes, r.tensors, r.seconds);
-    }
-    if let Some(path) = &a.lora {
-        let r = genmodel::generate_lora(&spec, &GenOptions { out: path.clone(), split_max_bytes: None, ..opts.clone() }, a.lora_rank)?;
-        println!("wrote {} ({} bytes, {} tensors, LoRA adapter of rank {}) in {:.1} s", r.path.display(), r.bytes, r.tensors, a.lora_rank, r.seconds);
-    }
-    let parts = if report.parts.len() > 1 { format!(", {} parts", report.parts.len()) } else { String::new() };
-    println!(
-        "wrote {} ({} bytes{parts}, {} tensors, {} {} layers, {} experts top-{}) in {:.1} s",
-        report.path.display(),
-        report.bytes,
-        report.tensors,
-        spec.arch.name(),
-        spec.n_layer,
-        spec.n_expert,
-        spec.n_expert_used,
-        report.seconds
-    );
-    Ok(())
-}
-
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     // sdq's budget options work for `sdq eval` as on every tool, and tell
@@ -639,7 +414,7 @@ fn main() -> ExitCode {
         sdq::engine::hooks::install();
     }
     let result = match cli.command {
-        Command::GenModel(a) => gen_model(*a),
+        Command::GenModel(a) => genmodel::run(*a),
         Command::Eval(a) => eval(a),
         Command::Demo(a) => demo(a),
         Command::Inspect(a) => inspect(a, &opts),

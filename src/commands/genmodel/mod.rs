@@ -3,10 +3,12 @@
 //! tensor data so a model of any size is written in bounded memory.
 
 mod fill;
+mod flags;
 pub mod lora;
 mod mmproj;
 mod spec;
 
+pub use flags::{run, GenModelArgs};
 pub use mmproj::{Projector, IMAGE_TOKENS};
 pub use spec::{Arch, Carrier, Family, Fill, Mixer, ModelSpec, PlannedTensor, Recurrent, RotaryRows, Router, Shared, FAMILIES, PRESETS};
 
