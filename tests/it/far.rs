@@ -187,12 +187,11 @@ fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
             .map(String::from)
             .collect()
     };
-    let read = |p: &Path| -> serde_json::Value { read_json(p) };
     let probe_stats = scratch().join("deepseek-v3-narrow-probe.json");
     let probe = completion("20G", &probe_stats);
     let o = run(Command::new(&probe[0]).args(&probe[1..]), 600);
     assert!(o.status.success(), "probe: {}", stderr(&o));
-    let probe = read(&probe_stats);
+    let probe = read_json(&probe_stats);
     assert!(u(&probe, "compute_untouched_bytes") > 400 * MIB, "the compute buffers a prompt touches were not all counted: {probe}");
     // An arena of 400 MiB: a fifth of the experts, all its pages faulted in
     // before the first token (`SDQ_POPULATE=1`), so that the limit meets the
@@ -208,14 +207,14 @@ fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
             .args(completion(&budget, &stats)),
         600,
     );
-    let r = read(&report);
+    let r = read_json(&report);
     assert!(o.status.success(), "a 512-token ubatch in a budget of {budget} and a limit of as much: {r}\n{}", stderr(&o));
     if r["enforced"] == true {
         assert_eq!(r["oom_kills"].as_u64(), Some(0), "{r}");
     } else {
         eprintln!("the limit is not enforced here ({}): the budget alone is checked", r["mode"]);
     }
-    let s = read(&stats);
+    let s = read_json(&stats);
     assert!(u(&s["prompt"], "tokens") >= 512, "not a full ubatch: {s}");
     assert!(u(&s, "arena_resident_bytes") + 16 * MIB >= u(&s, "arena_bytes"), "the arena's pages must all be resident: {s}");
     assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "peak RSS over the budget of {budget}: {s}");

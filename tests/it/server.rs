@@ -619,17 +619,7 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     let model = tiny().to_str().unwrap();
     // Two texts of their own (the long one does not start with the short
     // one, which the prompt cache would reuse).
-    let words = |n: usize, seed: u64| -> String {
-        let mut x = seed;
-        (0..n)
-            .map(|_| {
-                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-                ["the", "red", "sea", "old", "town", "light", "stone", "river"][(x >> 40) as usize % 8]
-            })
-            .collect::<Vec<_>>()
-            .join(" ")
-    };
-    let (short, long) = (words(1_800, 11), words(3_600, 12));
+    let (short, long) = (common_words(1_800, 11), common_words(3_600, 12));
     let chat = |port: u16, text: &str| -> (String, Value) {
         let body = serde_json::json!({ "messages": [{ "role": "user", "content": text }], "max_tokens": 8, "top_k": 1, "temperature": 0 }).to_string();
         let (status, body) = http(port, "POST", "/v1/chat/completions", Some(&body)).expect("an answer within its timeout");

@@ -423,6 +423,12 @@ pub fn stats_when(path: &Path, secs: u64, what: &str, cond: impl Fn(&serde_json:
     })
 }
 
+/// The generator of the tests' made-up texts (Knuth's MMIX LCG): the
+/// next state from `x`.
+fn next_state(x: u64) -> u64 {
+    x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407)
+}
+
 /// `n` made-up words of 2 to 7 letters from `seed`: a prompt that is not a
 /// few tokens repeated (about 2.5 tokens a word).
 pub fn made_up_words(n: usize, seed: u64) -> String {
@@ -431,10 +437,23 @@ pub fn made_up_words(n: usize, seed: u64) -> String {
         .map(|_| {
             (0..2 + x % 6)
                 .map(|_| {
-                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    x = next_state(x);
                     (b'a' + (x >> 33) as u8 % 26) as char
                 })
                 .collect()
+        })
+        .collect();
+    words.join(" ")
+}
+
+/// `n` words drawn from eight common ones by `seed`: a long prompt of
+/// about one token a word.
+pub fn common_words(n: usize, seed: u64) -> String {
+    let mut x = seed;
+    let words: Vec<&str> = (0..n)
+        .map(|_| {
+            x = next_state(x);
+            ["the", "red", "sea", "old", "town", "light", "stone", "river"][(x >> 40) as usize % 8]
         })
         .collect();
     words.join(" ")

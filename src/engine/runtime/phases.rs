@@ -14,6 +14,7 @@
 //! expert bytes they touched says whether a larger `-ub` would read fewer
 //! (see [`UbatchHint`]).
 
+use crate::engine::pager::ExpertKey;
 pub use crate::engine::pager::PagerTotals;
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -104,7 +105,7 @@ pub struct PromptRun {
     uneven: bool,
     bytes_at_start: u64,
     pub bytes_read: u64,
-    touched: HashSet<(u32, u32)>,
+    touched: HashSet<ExpertKey>,
     pub touched_bytes: u64,
 }
 
@@ -252,7 +253,7 @@ impl PhaseClock {
     pub fn touched(&mut self, layer: u32, experts: &[u32], expert_bytes: u64) {
         if let (Some(run), Some(Open { decode: false, .. })) = (&mut self.run, &self.open) {
             for &e in experts {
-                if run.touched.insert((layer, e)) {
+                if run.touched.insert(ExpertKey::new(layer, e)) {
                     run.touched_bytes += expert_bytes;
                     self.prompt.touched_bytes += expert_bytes;
                 }
