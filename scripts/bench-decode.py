@@ -116,11 +116,7 @@ def run_one(args, budget, config, tmp):
         finally:
             set_thp(saved)
     bin_dir = args.before_bin if config == "sdq-before" else BIN
-    stats = os.path.join(tmp, "stats.json")
-    report = os.path.join(tmp, "limit.json")
-    for f in (stats, report):
-        if os.path.exists(f):
-            os.remove(f)
+    stats, report = benchlib.fresh_files(tmp, "stats.json", "limit.json")
     cmd = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--",
            os.path.join(bin_dir, "llama-completion"), "-m", args.model, "-p", PROMPT, "-n", str(args.tokens), "--top-k", "1",
            "-no-cnv", "-t", str(args.threads), "-c", "4096", "-ub", "128", "--seed", "1",

@@ -40,10 +40,8 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
-import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402 (scripts/benchlib.py)
 
@@ -55,13 +53,6 @@ MODES = {"none": [], "ngram": ["--spec-type", "ngram-simple", "--spec-ngram-simp
          "draft-mtp": ["--spec-type", "draft-mtp"]}
 
 
-def complete(url, prompt, n, timeout):
-    body = json.dumps({"prompt": prompt, "n_predict": n, "top_k": 1, "cache_prompt": False}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"}), timeout=timeout)
-    v = json.loads(r.read())
-    return v["content"], v["timings"]
-
-
 def mode_flags(args, mode):
     if mode == "draft-model":
         return ["-md", args.draft, "--spec-type", "draft-simple"]
@@ -69,42 +60,30 @@ def mode_flags(args, mode):
 
 
 def run_one(args, budget, mode, tmp):
-    stats, report = os.path.join(tmp, "stats.json"), os.path.join(tmp, "limit.json")
-    for f in (stats, report):
-        if os.path.exists(f):
-            os.remove(f)
+    stats, report = benchlib.fresh_files(tmp, "stats.json", "limit.json")
     benchlib.drop_page_cache("bench-draft", "runs would not start cold", fatal=True)
-    port = benchlib.free_port()
-    cmd = ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--",
-            os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads), "-c", "4096",
-            "-np", "1", "--no-warmup", "--ram-budget", f"{budget}G", "--sdq-stats", stats] + mode_flags(args, mode))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
-    err = open(os.path.join(tmp, f"{mode}.err"), "w+")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+
+    def cmd(port):
+        return ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--",
+                 os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads), "-c", "4096",
+                 "-np", "1", "--no-warmup", "--ram-budget", f"{budget}G", "--sdq-stats", stats] + mode_flags(args, mode))
+
     row = {"budget_gib": budget, "mode": mode, "exit_code": 0, "decode_tps": [], "texts": [], "drafted": 0, "accepted": 0, "generated": 0}
-    try:
-        benchlib.wait_healthy(url, p, args.timeout)
+
+    def use(url):
         for i in range(args.requests):
-            text, t = complete(url, PROMPTS[i % len(PROMPTS)], args.tokens, args.timeout)
+            text, t = benchlib.complete(url, PROMPTS[i % len(PROMPTS)], args.tokens, args.timeout)
             row["decode_tps"].append(t["predicted_per_second"])
             row["texts"].append(text)
             row["generated"] += t["predicted_n"]
             row["drafted"] += t.get("draft_n", 0)
             row["accepted"] += t.get("draft_n_accepted", 0)
-    except OSError as e:
-        row["exit_code"] = 1
-        row["error"] = str(e)
-    finally:
-        p.terminate()
-        p.wait(timeout=300)
-    if row["exit_code"]:
-        row["stderr_tail"] = benchlib.stderr_tail(err)
+
+    benchlib.serve(row, cmd, os.path.join(tmp, f"{mode}.err"), args.timeout, use, stop_timeout=300)
     row.update(benchlib.limit_figures(report))
-    if os.path.exists(stats):
-        row.update(benchlib.stats_figures(stats, ("bytes_read", "hit_rate", "arena_bytes", "expert_bytes_total", "peak_rss_anon_bytes", "vm_swap_bytes")))
-        if row["generated"]:
-            row["mib_read_per_generated_token"] = s["bytes_read"] / 2**20 / row["generated"]
+    row.update(benchlib.stats_figures(stats, ("bytes_read", "hit_rate", "arena_bytes", "expert_bytes_total", "peak_rss_anon_bytes", "vm_swap_bytes")))
+    if row.get("bytes_read") is not None and row["generated"]:
+        row["mib_read_per_generated_token"] = row["bytes_read"] / 2**20 / row["generated"]
     return row
 
 

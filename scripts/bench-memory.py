@@ -51,11 +51,7 @@ def drop_page_cache():
 
 def run_one(args, budget_gib, config, tmp, threads):
     limit = f"{budget_gib}G"
-    report = os.path.join(tmp, "limit.json")
-    stats = os.path.join(tmp, "stats.json")
-    for f in (report, stats):
-        if os.path.exists(f):
-            os.remove(f)
+    report, stats = benchlib.fresh_files(tmp, "limit.json", "stats.json")
     bin_dir = args.before_bin if config == "sdq-before" else BIN
     cmd = [os.path.join(bin_dir, "llama-bench"), "-m", args.model, "-p", str(args.prompt), "-n", str(args.gen),
            "-r", str(args.reps), "-t", str(threads), "-o", "jsonl"]

@@ -82,10 +82,7 @@ def completion(model, prompt, tokens, ctx, extra):
 
 
 def limited(cmd, budget, rate, tmp, env, timeout):
-    report, stats = os.path.join(tmp, "limit.json"), os.path.join(tmp, "stats.json")
-    for f in (report, stats):
-        if os.path.exists(f):
-            os.remove(f)
+    report, stats = benchlib.fresh_files(tmp, "limit.json", "stats.json")
     benchlib.drop_page_cache("bench-prompt", "runs would not start cold", fatal=True)
     full = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--read-rate", f"{rate}M", "--report", report, "--"]
     full += cmd + ["--ram-budget", f"{budget}G", "--sdq-stats", stats]
@@ -262,7 +259,6 @@ def main():
                         print(f"bench-prompt: {budget:g} GiB, {rate:g} MiB/s, {n} tokens, {way}: exit {r['exit_code']}, "
                               f"{(r['prompt_ms'] or 0) / 1000:.1f} s, read {r.get('bytes_read', 0) / MIB:.0f} MiB "
                               f"of {r.get('touched_bytes', 0) / MIB:.0f} touched", file=sys.stderr)
-                    ok = [r for r in runs if r["exit_code"] == 0 and r["prompt_ms"]]
                     row = {"budget_gib": budget, "read_rate_mibs": rate, "prompt": n, "way": way, "runs": runs}
                     rows.append(derive(row, compute, a.faster))
                     # Written after every row: a long matrix stopped part way

@@ -25,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402 (scripts/benchlib.py)
 
@@ -35,46 +34,29 @@ SUBJECTS = ["the harbour", "a winter market", "the river trade", "the old bridge
             "the salt roads", "a fishing village", "the first railway", "the great fire", "the cathedral", "the printing press"]
 
 
-def complete(url, prompt, n, timeout):
-    body = json.dumps({"prompt": prompt, "n_predict": n, "top_k": 1, "cache_prompt": False}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"}), timeout=timeout)
-    v = json.loads(r.read())
-    return v["content"], v["timings"]
-
-
 def run_one(args, config, tmp):
-    stats, report = os.path.join(tmp, "stats.json"), os.path.join(tmp, "limit.json")
-    for f in (stats, report):
-        if os.path.exists(f):
-            os.remove(f)
-    port = benchlib.free_port()
-    cmd = [os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads), "-c", "4096", "-np", "1"]
-    if config == "sdq":
-        cmd = ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{args.budget}G", "--report", report, "--"] + cmd
-               + ["--ram-budget", f"{args.budget}G", "--sdq-stats", stats])
-    else:
+    stats, report = benchlib.fresh_files(tmp, "stats.json", "limit.json")
+
+    def cmd(port):
+        c = [os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads), "-c", "4096", "-np", "1"]
+        if config == "sdq":
+            return ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{args.budget}G", "--report", report, "--"] + c
+                    + ["--ram-budget", f"{args.budget}G", "--sdq-stats", stats])
+        return c
+
+    if config != "sdq":
         subprocess.run(["cat", args.model], stdout=subprocess.DEVNULL, check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
-    err = open(os.path.join(tmp, f"{config}.err"), "w+")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     row = {"config": config, "exit_code": 0, "decode_tps": [], "texts": []}
-    try:
-        benchlib.wait_healthy(url, p, args.timeout)
+
+    def use(url):
         for i in range(args.warmup):
-            complete(url, f"Tell the story of {SUBJECTS[i % len(SUBJECTS)]} in the old city.", 128, args.timeout)
+            benchlib.complete(url, f"Tell the story of {SUBJECTS[i % len(SUBJECTS)]} in the old city.", 128, args.timeout)
         for i in range(args.measure):
-            text, t = complete(url, f"Write a short history of {SUBJECTS[-1 - i % len(SUBJECTS)]}.", args.tokens, args.timeout)
+            text, t = benchlib.complete(url, f"Write a short history of {SUBJECTS[-1 - i % len(SUBJECTS)]}.", args.tokens, args.timeout)
             row["decode_tps"].append(t["predicted_per_second"])
             row["texts"].append(text)
-    except OSError as e:
-        row["exit_code"] = 1
-        row["error"] = str(e)
-    finally:
-        p.terminate()
-        p.wait(timeout=120)
-    if row["exit_code"]:
-        row["stderr_tail"] = benchlib.stderr_tail(err)
+
+    benchlib.serve(row, cmd, os.path.join(tmp, f"{config}.err"), args.timeout, use)
     row.update(benchlib.limit_figures(report))
     row.update(benchlib.stats_figures(stats, ("hit_rate", "mib_read_per_token", "peak_rss_anon_bytes", "arena_pages", "arena_huge_bytes",
                                               "arena_slot_bytes", "arena_populate", "minor_faults", "major_faults")))

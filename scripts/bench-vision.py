@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 import zlib
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402 (scripts/benchlib.py)
@@ -63,54 +62,44 @@ def png(width, height, seed):
 def chat(url, image, timeout):
     """One greedy token for the question about `image`: (seconds, text, server timings)."""
     uri = "data:image/png;base64," + base64.b64encode(image).decode()
-    body = json.dumps({"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION},
-                                                                 {"type": "image_url", "image_url": {"url": uri}}]}],
-                       "max_tokens": 1, "top_k": 1, "temperature": 0, "cache_prompt": False}).encode()
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": uri}}]}],
+            "max_tokens": 1, "top_k": 1, "temperature": 0, "cache_prompt": False}
     started = time.monotonic()
-    r = urllib.request.urlopen(urllib.request.Request(url + "/v1/chat/completions", body, {"Content-Type": "application/json"}),
-                               timeout=timeout)
-    v = json.loads(r.read())
+    v = benchlib.post_json(url + "/v1/chat/completions", body, timeout)
     seconds = time.monotonic() - started
     return round(seconds, 2), v["choices"][0]["message"]["content"], v.get("timings", {})
 
 
 def serve(args, config, images, tmp):
-    stats, report = os.path.join(tmp, "stats.json"), os.path.join(tmp, "limit.json")
-    for f in (stats, report):
-        if os.path.exists(f):
-            os.remove(f)
-    port = benchlib.free_port()
-    cmd = [os.path.join(BIN, "llama-server"), "-m", args.model, "--mmproj", args.mmproj, "--port", str(port),
-           "-t", str(args.threads), "-c", "4096", "-np", "1"]
+    stats, report = benchlib.fresh_files(tmp, "stats.json", "limit.json")
+
+    def cmd(port):
+        c = [os.path.join(BIN, "llama-server"), "-m", args.model, "--mmproj", args.mmproj, "--port", str(port),
+             "-t", str(args.threads), "-c", "4096", "-np", "1"]
+        if config == "sdq":
+            return ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{args.budget}G", "--report", report, "--"] + c
+                    + ["--ram-budget", f"{args.budget}G", "--sdq-stats", stats])
+        return c
+
     if config == "sdq":
         benchlib.drop_page_cache("bench-vision", "runs would not start cold", fatal=True)
-        cmd = ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{args.budget}G", "--report", report, "--"] + cmd
-               + ["--ram-budget", f"{args.budget}G", "--sdq-stats", stats])
     else:
         for f in (args.model, args.mmproj):
             subprocess.run(["cat", f], stdout=subprocess.DEVNULL, check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
-    err = open(os.path.join(tmp, f"{config}.err"), "w+")
-    started = time.monotonic()
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
     row = {"config": config, "exit_code": 0, "requests": []}
-    try:
-        benchlib.wait_healthy(url, p, args.timeout)
+    started = time.monotonic()
+
+    def use(url):
         row["ready_s"] = round(time.monotonic() - started, 2)
         for image in images:
             seconds, text, timings = chat(url, image, args.timeout)
             row["requests"].append({"ttft_s": seconds, "text": text, "prompt_ms": timings.get("prompt_ms"),
                                     "prompt_tokens": timings.get("prompt_n")})
-    except OSError as e:
-        row["exit_code"] = 1
-        row["error"] = str(e)
-    finally:
-        p.terminate()
-        code = p.wait(timeout=120)
-        row["exit_code"] = row["exit_code"] or (code if code not in (0, -15) else 0)
-    if row["exit_code"]:
-        row["stderr_tail"] = benchlib.stderr_tail(err)
+
+    code = benchlib.serve(row, cmd, os.path.join(tmp, f"{config}.err"), args.timeout, use)
+    if not row["exit_code"] and code not in (0, -15):
+        row["exit_code"] = code
+        row["stderr_tail"] = open(os.path.join(tmp, f"{config}.err")).read()[-2000:]
     row.update(benchlib.limit_figures(report))
     row.update(benchlib.stats_figures(stats, ("hits", "misses", "bytes_read", "peak_rss_anon_bytes", "vm_swap_bytes", "arena_bytes",
                                               "projector_weights_bytes", "projector_compute_bytes")))

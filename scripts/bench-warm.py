@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import benchlib  # noqa: E402 (scripts/benchlib.py)
 
@@ -67,45 +66,36 @@ def completion(args, budget, prompt, n, stats, hotset=None, report=None):
         cmd += ["--sdq-hotset", hotset]
     if report:
         cmd = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--"] + cmd
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=args.timeout)
+    return subprocess.run(cmd, env=benchlib.without_sdq_env(), capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=args.timeout)
 
 
 def server(args, budget, stats, hotset, report):
     """llama-server in the limit: ready, idle, one request. Returns (exit code, request seconds, text, stderr)."""
-    port = benchlib.free_port()
-    cmd = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--",
-           os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads),
-           "-c", "4096", "-ub", "128", "-np", "1", "--ram-budget", f"{budget}G", "--sdq-stats", stats]
-    if hotset:
-        cmd += ["--sdq-hotset", hotset]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
-    err = open(os.path.join(os.path.dirname(stats), "server.err"), "w+")
-    p = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    seconds, text = None, None
-    try:
-        benchlib.wait_healthy(url, p, args.timeout)
+    def cmd(port):
+        c = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--report", report, "--",
+             os.path.join(BIN, "llama-server"), "-m", args.model, "--port", str(port), "-t", str(args.threads),
+             "-c", "4096", "-ub", "128", "-np", "1", "--ram-budget", f"{budget}G", "--sdq-stats", stats]
+        return c + (["--sdq-hotset", hotset] if hotset else [])
+
+    row = {"text": None, "seconds": None}
+
+    def use(url):
         time.sleep(args.server_idle)
-        body = json.dumps({"prompt": args.prompt, "n_predict": 1, "temperature": 0, "cache_prompt": False}).encode()
+        body = {"prompt": args.prompt, "n_predict": 1, "temperature": 0, "cache_prompt": False}
         started = time.monotonic()
-        r = urllib.request.urlopen(urllib.request.Request(url + "/completion", body, {"Content-Type": "application/json"}), timeout=args.timeout)
-        text = json.loads(r.read())["content"]
-        seconds = round(time.monotonic() - started, 2)
-    except OSError as e:
-        text = f"request failed: {e}"
-    finally:
-        p.terminate()
-        code = p.wait(timeout=120)
-    err.seek(0)
-    return (0 if seconds is not None else code or 1), seconds, text, err.read()
+        row["text"] = benchlib.post_json(url + "/completion", body, args.timeout)["content"]
+        row["seconds"] = round(time.monotonic() - started, 2)
+
+    err = os.path.join(os.path.dirname(stats), "server.err")
+    code = benchlib.serve(row, cmd, err, args.timeout, use)
+    if row.get("error"):
+        row["text"] = f"request failed: {row['error']}"
+    seconds = row["seconds"]
+    return (0 if seconds is not None else code or 1), seconds, row["text"], open(err).read()
 
 
 def run_one(args, config, saved, tmp):
-    stats, report = os.path.join(tmp, "stats.json"), os.path.join(tmp, "limit.json")
-    for f in (stats, report):
-        if os.path.exists(f):
-            os.remove(f)
+    stats, report = benchlib.fresh_files(tmp, "stats.json", "limit.json")
     hotset = None
     if config == "warm":
         hotset = os.path.join(tmp, "hot.txt")

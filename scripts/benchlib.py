@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -49,6 +50,58 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def without_sdq_env():
+    """This environment without its SDQ_ variables: a run's settings are
+    the flags the benchmark gives it."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}
+
+
+def fresh_files(tmp, *names):
+    """The paths of `names` in `tmp`, none left from an earlier run."""
+    paths = [os.path.join(tmp, n) for n in names]
+    for p in paths:
+        if os.path.exists(p):
+            os.remove(p)
+    return paths
+
+
+def post_json(url, body, timeout):
+    """POSTs the JSON `body` to `url`; returns the answer's JSON."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    return json.loads(urllib.request.urlopen(req, timeout=timeout).read())
+
+
+def complete(url, prompt, n, timeout):
+    """A greedy /completion of `n` tokens, the prompt not cached; returns
+    (the text, llama-server's timings)."""
+    v = post_json(url + "/completion", {"prompt": prompt, "n_predict": n, "top_k": 1, "cache_prompt": False}, timeout)
+    return v["content"], v["timings"]
+
+
+def serve(row, make_cmd, err_path, timeout, use, stop_timeout=120):
+    """Runs llama-server as `make_cmd(port)` gives it (stderr into
+    `err_path`, no SDQ_ variables), calls `use(url)` once it answers
+    /health, and stops it. A request that fails (OSError) sets `row`'s
+    exit_code to 1 and its error; a failed row gets stderr's tail. Returns
+    the server's exit code."""
+    port = free_port()
+    with open(err_path, "w+") as err:
+        p = subprocess.Popen(make_cmd(port), env=without_sdq_env(), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        row.setdefault("exit_code", 0)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", p, timeout)
+            use(f"http://127.0.0.1:{port}")
+        except OSError as e:
+            row["exit_code"] = 1
+            row["error"] = str(e)
+        finally:
+            p.terminate()
+            code = p.wait(timeout=stop_timeout)
+        if row["exit_code"]:
+            row["stderr_tail"] = stderr_tail(err)
+    return code
 
 
 def wait_healthy(url, proc, timeout):
@@ -117,8 +170,6 @@ class RpcNode:
     def stop(self):
         """SIGINT (sdq writes its stats and summary, then the signal ends
         it); returns (the limit's report or None, the node's log)."""
-        import json
-        import signal
         try:
             os.kill(self.pid, signal.SIGINT)
             self.runner.wait(timeout=60)
@@ -133,7 +184,6 @@ class RpcNode:
             return report, f.read()
 
     def read_stats(self):
-        import json
         with open(self.stats) as f:
             return json.load(f)
 

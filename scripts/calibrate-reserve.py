@@ -67,10 +67,7 @@ def main():
         open(pf, "w").write(prompt)
         for b in [int(x) for x in args.budgets.split(",")]:
             for r in [int(x) for x in args.reserves.split(",")]:
-                report, stats = os.path.join(tmp, "limit.json"), os.path.join(tmp, "stats.json")
-                for f in (report, stats):
-                    if os.path.exists(f):
-                        os.remove(f)
+                report, stats = benchlib.fresh_files(tmp, "limit.json", "stats.json")
                 cmd = [os.path.join(BIN, "sdq"), "limit", "--memory", f"{b}G", "--report", report, "--",
                        os.path.join(BIN, "llama-completion"), "-m", args.model, "-f", pf, "-n", str(args.gen),
                        "--top-k", "1", "-no-cnv", "-t", "2", "-c", "4096", "-ub", "128", "--seed", "1",

@@ -42,6 +42,7 @@ Writes docs/bench/NAME.json and NAME.md.
 """
 import argparse
 import collections
+import importlib.util
 import json
 import os
 import subprocess
@@ -64,12 +65,10 @@ NEVER = 400.0  # tokens: the distance of an expert not used again
 
 
 def ensure_libraries():
-    try:
-        import numpy  # noqa: F401
-        import sklearn  # noqa: F401
-    except ImportError as e:
+    missing = [m for m in ("numpy", "sklearn") if importlib.util.find_spec(m) is None]
+    if missing:
         if os.environ.get("SDQ_LEARNED_EVICTION_VENV"):
-            sys.exit(f"learned-eviction: {e} in {WORK}/venv: remove it to install {' '.join(PINS)} again")
+            sys.exit(f"learned-eviction: no {', '.join(missing)} in {WORK}/venv: remove it to install {' '.join(PINS)} again")
         py = venv_python("learned-eviction", WORK, PINS)
         os.environ["SDQ_LEARNED_EVICTION_VENV"] = "1"
         os.execv(py, [py] + sys.argv)
@@ -183,7 +182,6 @@ def main():
     ap.add_argument("--samples", type=int, default=300000)
     ap.add_argument("--name", default="issue31-learned-eviction")
     a = ap.parse_args()
-    cycles = [float(c) for c in a.cycles.split(",")]
 
     sdq = os.path.join(ROOT, "target", "release", "sdq")
     ref = json.loads(subprocess.run([sdq, "replay", a.trace, "--cycles", a.cycles, "--judged-from", str(a.judged_from), "--json"],

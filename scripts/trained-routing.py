@@ -33,7 +33,7 @@ import subprocess
 import sys
 import zipfile
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from benchlib import venv_python  # noqa: E402
+from benchlib import venv_python, without_sdq_env  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORK = os.path.join(ROOT, "target", "tmp", "trained-routing")
@@ -90,7 +90,7 @@ def main():
     os.makedirs(dump, exist_ok=True)
     for f in os.listdir(dump):
         os.remove(os.path.join(dump, f))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SDQ_")}  # stock behaviour
+    env = without_sdq_env()  # stock behaviour
     run([exe, gguf, a.text, dump], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     out = a.out or os.path.join(WORK, f"gemma3-270m-e{a.experts}k{a.top_k}.trace.csv")
     run([venv_python("trained-routing", WORK, [NUMPY]), os.path.join(ROOT, "scripts", "routing", "cluster-route.py"), dump, out,
