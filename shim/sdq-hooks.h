@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 17
+#define SDQ_HOOKS_VERSION 18
 
 struct llama_model;
 
@@ -167,7 +167,9 @@ struct sdq_hooks {
     void (*group_begins)(void * user_data, uint32_t n_ubatches, uint32_t n_tokens);
     /* Context: `n_staged` ubatches of a group are staged, holding `bytes`
      * (their graphs and what they keep aside): true if another may be
-     * staged, false to compute these now. */
+     * staged, false to compute these now. With `n_staged` 0, `bytes` are
+     * what a group's first ubatch would hold: true to stage it, false to
+     * compute it and the batch's next ubatches one at a time, as stock. */
     bool (*group_room)(void * user_data, uint32_t n_staged, size_t bytes);
     void (*group_ends)(void * user_data);
     /* Graph: the paged layer whose experts graph node `node` computes (one

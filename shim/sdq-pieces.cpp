@@ -70,7 +70,7 @@ void sdq_graph_pieces::init(ggml_cgraph * graph, int (*layer_of)(void *, const g
     }
 
     crossing.assign(starts.size() + 1, {});
-    size_t most = 0;
+    most = 0;
     for (size_t k = 0; k <= starts.size(); ++k) {
         const int cut = k < starts.size() ? starts[k] : n;
         auto & across = crossing[k];
@@ -91,13 +91,15 @@ void sdq_graph_pieces::init(ggml_cgraph * graph, int (*layer_of)(void *, const g
         }
         most = std::max(most, bytes);
     }
-    kept.reserve(most);
 
     view_bytes = ggml_graph_overhead_custom(n, false);
     view_ctx = ggml_init({ view_bytes, nullptr, true });
     view = ggml_new_graph_custom(view_ctx, n, false);
-
     next = 0;
+}
+
+void sdq_graph_pieces::keep_inputs() {
+    kept.reserve(most);
     keep(0);
 }
 

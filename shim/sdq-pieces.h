@@ -33,9 +33,13 @@ public:
     ~sdq_graph_pieces();
 
     /* Cuts `gf` (allocated, its inputs set) before the first op of each
-     * paged expert layer (`layer_of(node)` >= 0 names the layer) and keeps
-     * its inputs aside. */
+     * paged expert layer (`layer_of(node)` >= 0 names the layer); nothing
+     * is kept aside yet (see `bytes`). */
     void init(ggml_cgraph * gf, int (*layer_of)(void * user_data, const ggml_tensor * node), void * user_data);
+
+    /* Keeps the graph's inputs aside: before the first piece is computed,
+     * once the caller has room for `bytes`. */
+    void keep_inputs();
 
     size_t n_pieces() const { return starts.size(); }
     /* The pieces computed so far. */
@@ -56,9 +60,9 @@ public:
      * compute buffer. */
     void restore_outputs() { restore(starts.size()); }
 
-    /* Bytes it holds: what it keeps aside at the largest cut, and its view
-     * of a piece. */
-    size_t bytes() const { return kept.capacity() + view_bytes; }
+    /* Bytes it holds once its inputs are kept: what it keeps aside at the
+     * largest cut, and its view of a piece. */
+    size_t bytes() const { return most + view_bytes; }
 
 private:
     void keep(size_t cut);
@@ -74,6 +78,8 @@ private:
      * order they were written. */
     std::vector<std::vector<ggml_tensor *>> crossing;
     std::vector<uint8_t> kept;
+    /* The bytes crossing the largest cut. */
+    size_t most = 0;
     size_t next = 0;
     ggml_context * view_ctx = nullptr;
     size_t view_bytes = 0;

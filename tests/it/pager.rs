@@ -699,6 +699,49 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
 }
 
+/// An arena smaller than one layer's experts still computes a batch's
+/// ubatches together, layer by layer: it holds the experts they touch at a
+/// layer (routing that favours some), so the prompt reads far less than one
+/// ubatch at a time (`SDQ_GROUP=1`), and both give stock's tokens and
+/// logits with the same flags. With a reserve whose group allowance cannot
+/// stage two of its ubatches, the batch keeps stock's order: no group.
+#[test]
+fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
+    let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
+    let prompt = scratch().join("group-small-arena.txt");
+    std::fs::write(&prompt, made_up_words(250, 5)).unwrap();
+    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", "128", "--batch", "2048"];
+    let run_eval = |budget: Option<(&str, &str)>, env: &[(&str, &str)], tag: &str| {
+        let mut args = base.to_vec();
+        if let Some((budget, reserve)) = budget {
+            args.extend(["--ram-budget", budget, "--sdq-reserve", reserve]);
+        }
+        eval_env(&model, &format!("group-small-{tag}"), &args, env)
+    };
+    let probe = run_eval(Some(("1G", "64M")), &[], "probe").stats.unwrap();
+    // One layer's experts in each slot class (the tiny preset's layers
+    // differ in their down tensor's type): an arena of three quarters of that.
+    let layer: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * 128).sum();
+    let budget = budget_for(&probe, 64 * MIB, layer * 3 / 4);
+    let stock = run_eval(None, &[], "stock");
+    let grouped = run_eval(Some((&budget, "64M")), &[], "grouped");
+    let alone = run_eval(Some((&budget, "64M")), &[("SDQ_GROUP", "1")], "alone");
+    let (g, a) = (grouped.stats.as_ref().unwrap(), alone.stats.as_ref().unwrap());
+    assert!(u(g, "arena_bytes") < layer, "the arena holds a whole layer: {g}");
+    assert!(u(&g["prompt_groups"], "groups") >= 1 && u(&g["prompt_groups"], "ubatches") >= 3, "not grouped: {g}");
+    for (what, e) in [("grouped", &grouped), ("one ubatch at a time", &alone)] {
+        assert_eq!((&e.json["tokens"], max_abs_diff(&e.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "{what} against stock");
+    }
+    let read = |s: &Value| u(&s["prompt"], "bytes_read") as f64;
+    assert!(read(g) < 0.7 * read(a), "grouped read {} B, one ubatch at a time {} B", read(g), read(a));
+    // A group may hold half the reserve: at 1 MiB, less than two staged
+    // ubatches (their graphs and kept inputs, about 2 MiB each here).
+    let tight = run_eval(Some((&budget, "1M")), &[], "tight");
+    let t = tight.stats.as_ref().unwrap();
+    assert_eq!((u(&t["prompt_groups"], "groups"), u(&t["prompt_groups"], "no_room")), (0, 1), "a group staged beyond its allowance: {t}");
+    assert_eq!((&tight.json["tokens"], max_abs_diff(&tight.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "no group against stock");
+}
+
 /// llama-bench computes each prompt several times from its start (a
 /// warm-up, then its repetitions). Each is a prompt of its own: one of a
 /// single ubatch gets no `-ub` hint however often it runs, and one of four

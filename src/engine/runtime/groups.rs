@@ -18,28 +18,52 @@ struct Group {
 #[derive(Debug, Default)]
 pub struct Groups {
     current: Option<Group>,
+    counts: GroupCounts,
+}
+
+/// What the groups added up to (the stats file's `prompt_groups`).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct GroupCounts {
     /// Groups computed, and the ubatches in them.
     pub computed: u64,
     pub ubatches: u64,
     /// The most a group's staged ubatches held (graphs and what they keep
     /// aside between pieces).
     pub peak_bytes: u64,
+    /// Batches whose first ubatch found no room to start a group (computed
+    /// one ubatch at a time).
+    pub refused: u64,
 }
 
 impl Groups {
     /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
     pub fn begin(&mut self, ubatches: u32, tokens: u64) {
         self.current = Some(Group { ubatches, tokens, started: 0, ended: 0 });
-        self.computed += 1;
-        self.ubatches += u64::from(ubatches);
+        self.counts.computed += 1;
+        self.counts.ubatches += u64::from(ubatches);
     }
 
     /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
     /// another within `allowance` bytes (the next about as large as the
-    /// ones before); the first is always staged.
+    /// ones before). With `n_staged` 0, `bytes` are what the first would
+    /// hold: it is staged only where a second fits too (a group of one
+    /// reads nothing less than stock's order and holds more).
     pub fn room(&mut self, n_staged: u32, bytes: u64, allowance: u64) -> bool {
-        self.peak_bytes = self.peak_bytes.max(bytes);
-        n_staged == 0 || bytes + bytes / u64::from(n_staged) <= allowance
+        let (held, next) = match n_staged {
+            0 => (bytes, bytes),
+            n => (bytes, bytes / u64::from(n)),
+        };
+        let room = held + next <= allowance;
+        if room || n_staged > 0 {
+            self.counts.peak_bytes = self.counts.peak_bytes.max(held);
+        } else {
+            self.counts.refused += 1;
+        }
+        room
+    }
+
+    pub fn counts(&self) -> GroupCounts {
+        self.counts
     }
 
     /// The group is computed (or failed): steps are ubatches again.
@@ -80,15 +104,26 @@ mod tests {
         g.end();
         assert_eq!(g.step_starts(1), Some(1));
         assert!(g.step_ends());
-        assert_eq!((g.computed, g.ubatches), (1, 3));
+        assert_eq!((g.counts.computed, g.counts.ubatches), (1, 3));
     }
 
     #[test]
     fn a_group_stages_what_its_allowance_holds() {
         let mut g = Groups::default();
         // Ubatches of 10 bytes in 35: three fit, a fourth would not.
-        assert!(g.room(1, 10, 35) && g.room(2, 20, 35));
+        assert!(g.room(0, 10, 35) && g.room(1, 10, 35) && g.room(2, 20, 35));
         assert!(!g.room(3, 30, 35));
-        assert_eq!(g.peak_bytes, 30);
+        assert_eq!(g.counts.peak_bytes, 30);
+    }
+
+    #[test]
+    fn a_group_starts_only_where_two_ubatches_fit() {
+        let mut g = Groups::default();
+        // 20 bytes each in 35: the first is not staged (the batch is
+        // computed as stock), and is no peak.
+        assert!(!g.room(0, 20, 35));
+        assert_eq!((g.counts.peak_bytes, g.counts.refused), (0, 1));
+        assert!(g.room(0, 17, 35));
+        assert_eq!(g.counts.peak_bytes, 17);
     }
 }

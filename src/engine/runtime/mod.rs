@@ -571,21 +571,19 @@ impl Runtime {
     }
 
     /// How many of a decode's `n_ubatches` ubatches to compute together,
-    /// layer by layer (1: one at a time). All of them, up to `SDQ_GROUP`,
-    /// where the arena holds one layer's experts. A smaller arena would hold
-    /// what a group touches at a layer (DeepSeek-V3 cut to 19 layers at 8
-    /// GiB: 192 slots, about 132 of a layer's 256 experts touched by a
-    /// 2,115-token prompt), but a group stages its ubatches beside the plan
-    /// (its first one always), and in a budget that tight that memory is
-    /// not there: a 512-token DeepSeek ubatch staged 31 MiB over a 64 MiB
-    /// reserve and was OOM-killed at its limit (tests/it/far.rs). Until a
-    /// group's staging is planned with the arena, such arenas keep stock's
-    /// order.
+    /// layer by layer (1: one at a time): all of them, up to `SDQ_GROUP`,
+    /// whatever the arena holds. An arena smaller than a layer's experts
+    /// still holds what a group touches at a layer where routing is
+    /// trained (DeepSeek-V3 cut to 19 layers at 8 GiB: 192 slots, about 132
+    /// of a layer's 256 experts touched by a 2,115-token prompt). What the
+    /// group stages is held within its allowance of the reserve, its first
+    /// ubatch too (`group_room`), so however tight the budget the group
+    /// fits or the batch keeps stock's order.
     pub fn group_size(&self, n_ubatches: u32) -> u32 {
         let cap = self.options.group.unwrap_or(u32::MAX);
         // A trace's steps are ubatches, each layer after layer (the replay
         // reproduces the run's decisions from that order).
-        if self.tracing() || self.pager.get().is_some_and(|(p, _)| !p.holds_a_layer()) {
+        if self.tracing() {
             return 1;
         }
         n_ubatches.min(cap)
@@ -617,9 +615,8 @@ impl Runtime {
 
     /// Groups computed so far, the ubatches in them, and the most a
     /// group's staged ubatches held.
-    pub fn groups_computed(&self) -> (u64, u64, u64) {
-        let g = self.lock_groups();
-        (g.computed, g.ubatches, g.peak_bytes)
+    pub fn groups_computed(&self) -> groups::GroupCounts {
+        self.lock_groups().counts()
     }
 
     /// A ubatch of `n_tokens` reaches the first paged layer: the tokens its
@@ -693,10 +690,12 @@ impl Runtime {
         );
         let size = *self.context_size.lock().unwrap_or_else(|p| p.into_inner());
         // Where a batch's ubatches are computed together, a prompt's steps
-        // are its llama_decode batches: one batch of the whole prompt reads
-        // each expert once, and -ub changes nothing.
-        if pager.holds_a_layer() && self.options.group.map_or(true, |n| n > 1) && !self.tracing() {
-            let Some(batch) = run.batch_hint(size) else { return };
+        // are its llama_decode batches and -ub changes nothing; one batch
+        // of the whole prompt reads each expert once where the arena holds
+        // a layer's experts (a smaller one may not hold what it touches).
+        // Where a group found no room, its batch went one ubatch at a time.
+        if self.options.group.map_or(true, |n| n > 1) && !self.tracing() && self.groups_computed().refused == 0 {
+            let Some(batch) = run.batch_hint(size).filter(|_| pager.holds_a_layer()) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
                 eprintln!(
                     "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about once",

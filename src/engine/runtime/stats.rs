@@ -177,8 +177,9 @@ impl Runtime {
             "paged": self.pager.latest().is_some(),
         });
         // A prompt's ubatches computed together, layer by layer.
-        let (groups, grouped, peak) = self.groups_computed();
-        v.as_object_mut().expect("object").insert("prompt_groups".into(), json!({ "groups": groups, "ubatches": grouped, "peak_bytes": peak }));
+        let g = self.groups_computed();
+        let groups = json!({ "groups": g.computed, "ubatches": g.ubatches, "peak_bytes": g.peak_bytes, "no_room": g.refused });
+        v.as_object_mut().expect("object").insert("prompt_groups".into(), groups);
         if let Some((pager, plan)) = self.pager.latest() {
             let c = pager.counts();
             let (hits, misses) = c.per_layer.iter().fold((0, 0), |(h, m), (_, l)| (h + l.hits, m + l.misses));
