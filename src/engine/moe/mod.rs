@@ -495,7 +495,8 @@ pub unsafe fn expert_layer(node: &sys::ggml_tensor) -> Option<u32> {
 /// Expert op `node`'s routing is computed, and it runs after the other
 /// ubatches of its group have had their turn: its experts are read now, at
 /// low priority, into slots that hold neither its layer's experts nor the
-/// layer before's (which the group's other ubatches are still to use).
+/// layer before's (which the group's other ubatches are still to use), and
+/// kept as the group's routes at its layer (`Pager::group_routes`).
 ///
 /// # Safety
 /// `node` must be a valid tensor of a graph, its sources computed.
@@ -515,7 +516,9 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
         }
     }
     let before = pager.layout().layers.range(..layer).next_back().map_or(layer, |(&l, _)| l);
-    pager.read_ahead(layer, &experts.into_iter().collect::<Vec<_>>(), before);
+    let experts: Vec<u32> = experts.into_iter().collect();
+    pager.group_routes(layer, &experts);
+    pager.read_ahead(layer, &experts, before);
 }
 
 /// Writes this thread's share of `dst` as zeros: the experts' output of a

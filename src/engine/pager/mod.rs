@@ -46,8 +46,8 @@ pub use arena::PageChoice;
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
 use residency::Residency;
-use std::collections::HashMap;
 use std::collections::VecDeque;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -141,6 +141,10 @@ struct State {
     filled: Vec<usize>,
     /// Whether reading ahead pays, from the share of prefetches used.
     gate: gate::PrefetchGate,
+    /// The experts a prompt group's ubatches route to, by layer, as each
+    /// ubatch's routing is computed (see `group_routes`); emptied when the
+    /// group ends.
+    group_routes: HashMap<u32, HashSet<u32>>,
 }
 
 /// A failed read of an expert, kept for the acquire that waits for it.
@@ -303,6 +307,7 @@ impl Pager {
             in_use: slots.to_vec(),
             filled: vec![0; slots.len()],
             gate: gate::PrefetchGate::default(),
+            group_routes: HashMap::new(),
         };
         let shared = Arc::new(Shared {
             layout,
@@ -478,20 +483,43 @@ impl Pager {
         self.read_spare(layer, experts, current, true);
     }
 
+    /// A prompt group's ubatch routes to `experts` at `layer`: the group's
+    /// other ubatches are still to use them there, and reads ahead of the
+    /// next layer leave them room (see `read_spare`).
+    pub fn group_routes(&self, layer: u32, experts: &[u32]) {
+        self.shared.lock().group_routes.entry(layer).or_default().extend(experts);
+    }
+
+    /// The prompt group is computed: its routes are forgotten.
+    pub fn group_ends(&self) {
+        self.shared.lock().group_routes.clear();
+    }
+
     fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
         let sh = &*self.shared;
         let Some(ll) = sh.layout.layers.get(&layer) else { return };
         let mut jobs = Vec::new();
         let mut st = sh.lock();
         let class = st.usable(&sh.arena, ll.class);
+        let spare = |s: SlotId, st: &State| st.slots[s].pins == 0 && !matches!(st.res.key(s), Some(k) if k.layer == current || k.layer == layer);
+        // Slots the group's ubatches still need at `current` and that are
+        // not read yet are left to them: a read ahead taking the last
+        // spare slots would have them evict this layer's experts (or the
+        // ones read ahead), and read them again.
+        let owed = match (st.group_routes.get(&current), sh.layout.layers.get(&current)) {
+            (Some(routes), Some(cl)) if cl.class == ll.class => routes.iter().filter(|&&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
+            _ => 0,
+        };
+        let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, &st)).count().saturating_sub(owed) };
         for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
             if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
                 continue;
             }
-            let victim = {
-                let (slots, res) = (&st.slots, &st.res);
-                res.victim(layer, class.clone(), &|s| slots[s].pins == 0 && !matches!(res.key(s), Some(k) if k.layer == current || k.layer == layer))
-            };
+            if room == 0 {
+                break;
+            }
+            room -= 1;
+            let victim = st.res.victim(layer, class.clone(), &|s| spare(s, &st));
             let Some(slot) = victim else { break };
             let evicted = st.res.fill(slot, ExpertKey::new(layer, e));
             jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));

@@ -611,6 +611,9 @@ impl Runtime {
     /// The group is computed, or failed.
     pub fn on_group_ends(&self) {
         self.lock_groups().end();
+        if let Some((pager, _)) = self.pager.get() {
+            pager.group_ends();
+        }
     }
 
     /// Groups computed so far, the ubatches in them, and the most a
