@@ -517,7 +517,7 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
     }
     let before = pager.layout().layers.range(..layer).next_back().map_or(layer, |(&l, _)| l);
     let experts: Vec<u32> = experts.into_iter().collect();
-    pager.group_routes(layer, &experts);
+    pager.group_routes(layer, (before != layer).then_some(before), &experts);
     pager.read_ahead(layer, &experts, before);
 }
 

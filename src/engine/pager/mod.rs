@@ -34,6 +34,7 @@ mod policy_kind;
 mod readers;
 pub mod residency;
 mod reuse;
+mod routes;
 mod warm;
 
 pub use counts::{LayerCounts, PagerCounts, PagerTotals};
@@ -46,8 +47,8 @@ pub use arena::PageChoice;
 use arena::{Arena, SlotId};
 use layout::{LayerLayout, Layout, Part};
 use residency::Residency;
+use std::collections::HashMap;
 use std::collections::VecDeque;
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
@@ -141,10 +142,9 @@ struct State {
     filled: Vec<usize>,
     /// Whether reading ahead pays, from the share of prefetches used.
     gate: gate::PrefetchGate,
-    /// The experts a prompt group's ubatches route to, by layer, as each
-    /// ubatch's routing is computed (see `group_routes`); emptied when the
-    /// group ends.
-    group_routes: HashMap<u32, HashSet<u32>>,
+    /// What a prompt group's ubatches still need, by layer (see
+    /// `group_routes`); emptied when the group ends.
+    group_routes: routes::GroupRoutes,
 }
 
 /// A failed read of an expert, kept for the acquire that waits for it.
@@ -307,7 +307,7 @@ impl Pager {
             in_use: slots.to_vec(),
             filled: vec![0; slots.len()],
             gate: gate::PrefetchGate::default(),
-            group_routes: HashMap::new(),
+            group_routes: routes::GroupRoutes::default(),
         };
         let shared = Arc::new(Shared {
             layout,
@@ -483,11 +483,13 @@ impl Pager {
         self.read_spare(layer, experts, current, true);
     }
 
-    /// A prompt group's ubatch routes to `experts` at `layer`: the group's
-    /// other ubatches are still to use them there, and reads ahead of the
-    /// next layer leave them room (see `read_spare`).
-    pub fn group_routes(&self, layer: u32, experts: &[u32]) {
-        self.shared.lock().group_routes.entry(layer).or_default().extend(experts);
+    /// A prompt group's ubatch routes to `experts` at `layer`, having
+    /// computed `before` (the paged layer before, if any): reads ahead of
+    /// the next layer leave room for what the group's ubatches still need
+    /// at a layer, and may take the slots of what none of them needs any
+    /// more (see `read_spare`).
+    pub fn group_routes(&self, layer: u32, before: Option<u32>, experts: &[u32]) {
+        self.shared.lock().group_routes.announce(layer, before, experts);
     }
 
     /// The prompt group is computed: its routes are forgotten.
@@ -501,13 +503,22 @@ impl Pager {
         let mut jobs = Vec::new();
         let mut st = sh.lock();
         let class = st.usable(&sh.arena, ll.class);
-        let spare = |s: SlotId, st: &State| st.slots[s].pins == 0 && !matches!(st.res.key(s), Some(k) if k.layer == current || k.layer == layer);
+        // Not `layer`'s experts, nor `current`'s that the prompt group's
+        // ubatches are still to use (all of them outside a group).
+        let spare = |s: SlotId, st: &State| {
+            st.slots[s].pins == 0
+                && match st.res.key(s) {
+                    Some(k) if k.layer == layer => false,
+                    Some(k) if k.layer == current => st.group_routes.knows(current) && !st.group_routes.needed(current, k.expert),
+                    _ => true,
+                }
+        };
         // Slots the group's ubatches still need at `current` and that are
         // not read yet are left to them: a read ahead taking the last
         // spare slots would have them evict this layer's experts (or the
         // ones read ahead), and read them again.
-        let owed = match (st.group_routes.get(&current), sh.layout.layers.get(&current)) {
-            (Some(routes), Some(cl)) if cl.class == ll.class => routes.iter().filter(|&&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
+        let owed = match sh.layout.layers.get(&current) {
+            Some(cl) if cl.class == ll.class => st.group_routes.still_needed(current).filter(|&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
             _ => 0,
         };
         let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, &st)).count().saturating_sub(owed) };

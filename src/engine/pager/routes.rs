@@ -1,0 +1,85 @@
+//! A prompt group's routing, layer by layer: which experts the group's
+//! ubatches still need at a layer. Each ubatch's routing at layer L is
+//! computed at the end of its piece before L (`experts_ahead`), and the
+//! ubatches announce a layer in the same order as the one before it: the
+//! k-th announcement at L means the k-th ubatch has computed the layer
+//! before L. So an expert of that layer that no later ubatch routes to can
+//! make room for reads ahead, while the layer's other ubatches compute.
+
+use std::collections::HashMap;
+
+#[derive(Debug, Default)]
+pub struct GroupRoutes {
+    /// By layer: each ubatch's experts, in the order they were announced.
+    announced: HashMap<u32, Vec<Vec<u32>>>,
+    /// By layer: how many of the group's ubatches still need each expert.
+    owed: HashMap<u32, HashMap<u32, u32>>,
+}
+
+impl GroupRoutes {
+    /// A ubatch routes to `experts` at `layer`; it has computed `before`
+    /// (the paged layer before `layer`, if any), so its routes there are done.
+    pub fn announce(&mut self, layer: u32, before: Option<u32>, experts: &[u32]) {
+        let list = self.announced.entry(layer).or_default();
+        let k = list.len();
+        list.push(experts.to_vec());
+        let owed = self.owed.entry(layer).or_default();
+        for &e in experts {
+            *owed.entry(e).or_default() += 1;
+        }
+        let Some(before) = before else { return };
+        let Some(done) = self.announced.get(&before).and_then(|l| l.get(k)) else { return };
+        let owed = self.owed.entry(before).or_default();
+        for e in done {
+            if let Some(n) = owed.get_mut(e) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Whether the group's routes at `layer` are known.
+    pub fn knows(&self, layer: u32) -> bool {
+        self.owed.contains_key(&layer)
+    }
+
+    /// Whether a ubatch of the group is still to use `expert` at `layer`.
+    pub fn needed(&self, layer: u32, expert: u32) -> bool {
+        self.owed.get(&layer).and_then(|o| o.get(&expert)).is_some_and(|&n| n > 0)
+    }
+
+    /// The experts of `layer` a ubatch of the group is still to use.
+    pub fn still_needed(&self, layer: u32) -> impl Iterator<Item = u32> + '_ {
+        self.owed.get(&layer).into_iter().flat_map(|o| o.iter().filter(|(_, &n)| n > 0).map(|(&e, _)| e))
+    }
+
+    /// The group is computed.
+    pub fn clear(&mut self) {
+        self.announced.clear();
+        self.owed.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_expert_is_needed_until_the_last_ubatch_routed_to_it_is_past_its_layer() {
+        let mut r = GroupRoutes::default();
+        // Two ubatches at layer 3: the first routes to 1 and 2, the second to 2 and 5.
+        r.announce(3, None, &[1, 2]);
+        r.announce(3, None, &[2, 5]);
+        assert!(r.knows(3) && !r.knows(4));
+        // The first ubatch reaches layer 4: it is past layer 3.
+        r.announce(4, Some(3), &[7]);
+        assert!(!r.needed(3, 1) && r.needed(3, 2) && r.needed(3, 5));
+        let mut left: Vec<u32> = r.still_needed(3).collect();
+        left.sort();
+        assert_eq!(left, [2, 5]);
+        r.announce(4, Some(3), &[8]);
+        assert_eq!(r.still_needed(3).count(), 0);
+        assert!(r.needed(4, 7) && r.needed(4, 8));
+        r.clear();
+        assert!(!r.knows(4));
+    }
+}
