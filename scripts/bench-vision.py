@@ -99,7 +99,8 @@ def serve(args, config, images, tmp):
     code = benchlib.serve(row, cmd, os.path.join(tmp, f"{config}.err"), args.timeout, use)
     if not row["exit_code"] and code not in (0, -15):
         row["exit_code"] = code
-        row["stderr_tail"] = open(os.path.join(tmp, f"{config}.err")).read()[-2000:]
+        with open(os.path.join(tmp, f"{config}.err")) as err:
+            row["stderr_tail"] = benchlib.stderr_tail(err)
     row.update(benchlib.limit_figures(report))
     row.update(benchlib.stats_figures(stats, ("hits", "misses", "bytes_read", "peak_rss_anon_bytes", "vm_swap_bytes", "arena_bytes",
                                               "projector_weights_bytes", "projector_compute_bytes")))

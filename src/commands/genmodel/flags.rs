@@ -163,18 +163,8 @@ pub fn run(a: GenModelArgs) -> Result<()> {
         "trained" => (spec.router_skew, spec.context_gain, spec.recency, spec.carry) = spec.trained_routing(),
         other => return Err(Error::flag("--routing", format!("--routing '{other}' is not skewed or trained"))),
     }
-    if let Some(s) = a.router_skew {
-        spec.router_skew = s;
-    }
-    if let Some(g) = a.context_gain {
-        spec.context_gain = g;
-    }
-    if let Some(r) = a.recency {
-        spec.recency = r;
-    }
-    if let Some(c) = a.carry {
-        spec.carry = c;
-    }
+    // Given beside --routing, they win.
+    set!(router_skew = router_skew, context_gain = context_gain, recency = recency, carry = carry);
     if let Some(t) = &a.expert_type {
         spec.expert_type = Some(
             crate::engine::ffi::ggml::GgmlType::from_name(t)

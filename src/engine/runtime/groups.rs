@@ -49,13 +49,10 @@ impl Groups {
     /// hold: it is staged only where a second fits too (a group of one
     /// reads nothing less than stock's order and holds more).
     pub fn room(&mut self, n_staged: u32, bytes: u64, allowance: u64) -> bool {
-        let (held, next) = match n_staged {
-            0 => (bytes, bytes),
-            n => (bytes, bytes / u64::from(n)),
-        };
-        let room = held + next <= allowance;
+        let next = if n_staged == 0 { bytes } else { bytes / u64::from(n_staged) };
+        let room = bytes + next <= allowance;
         if room || n_staged > 0 {
-            self.counts.peak_bytes = self.counts.peak_bytes.max(held);
+            self.counts.peak_bytes = self.counts.peak_bytes.max(bytes);
         } else {
             self.counts.refused += 1;
         }

@@ -616,8 +616,8 @@ impl Runtime {
         }
     }
 
-    /// Groups computed so far, the ubatches in them, and the most a
-    /// group's staged ubatches held.
+    /// Groups computed so far, the ubatches in them, the most a group's
+    /// staged ubatches held, and the batches that found no room for one.
     pub fn groups_computed(&self) -> groups::GroupCounts {
         self.lock_groups().counts()
     }
