@@ -587,7 +587,13 @@ unsafe fn join(
             if ids.ne[1] > 1 {
                 runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
             }
-            let deferred = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            let deferred: HashSet<u32> = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            // In a prompt group, what the later ubatches need at this layer
+            // is read while this one computes; not where the arena already
+            // had no slot for this ubatch's own misses.
+            if ids.ne[1] > DECODE_MAX_TOKENS && deferred.is_empty() {
+                pager.read_group_owed(layer);
+            }
             // This layer's misses are queued: now what the next layer will
             // likely need. A prompt batch's prediction (the union of its
             // tokens') is nearly what the next layer touches, and is read

@@ -497,6 +497,34 @@ impl Pager {
         self.shared.lock().group_routes.clear();
     }
 
+    /// A prompt group's ubatch has queued its misses at `layer`: starts
+    /// reading, behind them, what the group's later ubatches route to at
+    /// `layer` and is not in the arena, into slots no ubatch of the group
+    /// still needs. Reads ahead of `layer` had only the slots the layer
+    /// before left spare; without these, each later ubatch read the rest on
+    /// demand, its compute waiting on them.
+    pub fn read_group_owed(&self, layer: u32) {
+        let sh = &*self.shared;
+        let Some(ll) = sh.layout.layers.get(&layer) else { return };
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let owed = st.group_routes.still_needed_in_order(layer);
+        let class = st.usable(&sh.arena, ll.class);
+        let spare =
+            |s: SlotId, st: &State| st.slots[s].pins == 0 && st.res.key(s).map_or(true, |k| k.layer != layer && !st.group_routes.needed(k.layer, k.expert));
+        for e in owed {
+            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
+                continue;
+            }
+            let Some(slot) = st.res.victim(layer, class.clone(), &|s| spare(s, &st)) else { break };
+            let evicted = st.res.fill(slot, ExpertKey::new(layer, e));
+            jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
+            st.slots[slot].prompt_ahead = true;
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+    }
+
     fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
         let sh = &*self.shared;
         let Some(ll) = sh.layout.layers.get(&layer) else { return };

@@ -52,6 +52,15 @@ impl GroupRoutes {
         self.owed.get(&layer).into_iter().flat_map(|o| o.iter().filter(|(_, &n)| n > 0).map(|(&e, _)| e))
     }
 
+    /// The experts of `layer` a ubatch of the group is still to use, each
+    /// once, in the order the ubatches announced them: the next ubatch's
+    /// first.
+    pub fn still_needed_in_order(&self, layer: u32) -> Vec<u32> {
+        let mut seen = std::collections::HashSet::new();
+        let lists = self.announced.get(&layer).map_or(&[][..], |l| &l[..]);
+        lists.iter().flatten().copied().filter(|&e| self.needed(layer, e) && seen.insert(e)).collect()
+    }
+
     /// The group is computed.
     pub fn clear(&mut self) {
         self.announced.clear();
@@ -76,6 +85,8 @@ mod tests {
         let mut left: Vec<u32> = r.still_needed(3).collect();
         left.sort();
         assert_eq!(left, [2, 5]);
+        assert_eq!(r.still_needed_in_order(3), [2, 5]);
+        assert_eq!(r.still_needed_in_order(4), [7]);
         r.announce(4, Some(3), &[8]);
         assert_eq!(r.still_needed(3).count(), 0);
         assert!(r.needed(4, 7) && r.needed(4, 8));
