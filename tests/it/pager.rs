@@ -705,19 +705,23 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
 /// ubatch at a time (`SDQ_GROUP=1`), and both give stock's tokens and
 /// logits with the same flags. With a reserve whose group allowance cannot
 /// stage two of its ubatches, the batch keeps stock's order: no group.
+/// Given in several batches, the prompt reads its experts once per batch,
+/// and the hint names the `-b` of the whole prompt.
 #[test]
 fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
     let prompt = scratch().join("group-small-arena.txt");
     std::fs::write(&prompt, made_up_words(250, 5)).unwrap();
-    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", "128", "--batch", "2048"];
-    let run_eval = |budget: Option<(&str, &str)>, env: &[(&str, &str)], tag: &str| {
+    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", "128"];
+    let batched = |batch: &'static str, budget: Option<(&str, &str)>, env: &[(&str, &str)], tag: &str| {
         let mut args = base.to_vec();
+        args.extend(["--batch", batch]);
         if let Some((budget, reserve)) = budget {
             args.extend(["--ram-budget", budget, "--sdq-reserve", reserve]);
         }
         eval_env(&model, &format!("group-small-{tag}"), &args, env)
     };
+    let run_eval = |budget: Option<(&str, &str)>, env: &[(&str, &str)], tag: &str| batched("2048", budget, env, tag);
     let probe = run_eval(Some(("1G", "64M")), &[], "probe").stats.unwrap();
     // One layer's experts in each slot class (the tiny preset's layers
     // differ in their down tensor's type): an arena of three quarters of that.
@@ -740,6 +744,15 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let t = tight.stats.as_ref().unwrap();
     assert_eq!((u(&t["prompt_groups"], "groups"), u(&t["prompt_groups"], "no_room")), (0, 1), "a group staged beyond its allowance: {t}");
     assert_eq!((&tight.json["tokens"], max_abs_diff(&tight.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "no group against stock");
+    // Batches of two ubatches: each is a group, and reads its experts again.
+    let cut = batched("256", Some((&budget, "64M")), &[], "b256");
+    let cut_stock = batched("256", None, &[], "b256-stock");
+    assert_eq!((&cut.json["tokens"], max_abs_diff(&cut.logits, &cut_stock.logits)), (&cut_stock.json["tokens"], 0.0), "-b 256 against stock with -b 256");
+    let c = cut.stats.as_ref().unwrap();
+    assert!(u(&c["prompt_groups"], "groups") >= 2, "not grouped: {c}");
+    let whole = u(&c["prompt"], "tokens").div_ceil(128) * 128;
+    let hints: Vec<&str> = cut.stderr.lines().filter(|l| l.starts_with("sdq: hint:")).collect();
+    assert!(hints.len() == 1 && hints[0].contains(&format!("; -b {whole} ")), "a hint naming -b {whole}: {}", cut.stderr);
 }
 
 /// llama-bench computes each prompt several times from its start (a

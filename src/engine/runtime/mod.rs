@@ -695,10 +695,12 @@ impl Runtime {
         // Where a batch's ubatches are computed together, a prompt's steps
         // are its llama_decode batches and -ub changes nothing; one batch
         // of the whole prompt reads each expert once where the arena holds
-        // a layer's experts (a smaller one may not hold what it touches).
-        // Where a group found no room, its batch went one ubatch at a time.
-        if self.options.group.map_or(true, |n| n > 1) && !self.tracing() && self.groups_computed().refused == 0 {
-            let Some(batch) = run.batch_hint(size).filter(|_| pager.holds_a_layer()) else { return };
+        // a layer's experts, or what a group touched at a layer (its
+        // batches were grouped). Where a group found no room, its batch went
+        // one ubatch at a time.
+        let groups = self.groups_computed();
+        if self.options.group.map_or(true, |n| n > 1) && !self.tracing() && groups.refused == 0 {
+            let Some(batch) = run.batch_hint(size).filter(|_| pager.holds_a_layer() || groups.computed > 0) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
                 eprintln!(
                     "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about once",
