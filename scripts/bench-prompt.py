@@ -254,7 +254,7 @@ def main():
         for rate in rates:
             for n in prompts:
                 for way, env, whole in ways:
-                    if whole and n <= 2048 and tokens_of.get(n, 2049) <= 2048:
+                    if whole and n <= 2048 and n in tokens_of and tokens_of[n] <= 2048:
                         continue
                     runs = []
                     for _ in range(a.runs):

@@ -517,9 +517,7 @@ impl Pager {
                 continue;
             }
             let Some(slot) = st.res.victim(layer, class.clone(), &|s| spare(s, &st)) else { break };
-            let evicted = st.res.fill(slot, ExpertKey::new(layer, e));
-            jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
-            st.slots[slot].prompt_ahead = true;
+            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, true));
         }
         drop(st);
         sh.submit(jobs, Lane::Spare);
@@ -560,14 +558,7 @@ impl Pager {
             room -= 1;
             let victim = st.res.victim(layer, class.clone(), &|s| spare(s, &st));
             let Some(slot) = victim else { break };
-            let evicted = st.res.fill(slot, ExpertKey::new(layer, e));
-            jobs.extend(sh.start_load(&mut st, slot, ll, e, evicted, false));
-            if for_prompt {
-                st.slots[slot].prompt_ahead = true;
-            } else {
-                st.slots[slot].prefetched = true;
-                st.counts.get_mut(&layer).expect("layer counted").prefetched += 1;
-            }
+            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, for_prompt));
         }
         drop(st);
         sh.submit(jobs, Lane::Spare);

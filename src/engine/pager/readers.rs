@@ -87,6 +87,21 @@ impl Shared {
         (0..ll.parts.len()).map(|part| Job { slot, layer: ll.layer, expert, part }).collect()
     }
 
+    /// Starts reading `expert` into `slot`, a victim chosen for a read
+    /// ahead: a prompt's (`prompt_ahead`: promoted when a batch waits for
+    /// it, not judged as a prefetch) or a decode's prefetch, counted.
+    pub(super) fn start_ahead(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, for_prompt: bool) -> Vec<Job> {
+        let evicted = st.res.fill(slot, ExpertKey::new(ll.layer, expert));
+        let jobs = self.start_load(st, slot, ll, expert, evicted, false);
+        if for_prompt {
+            st.slots[slot].prompt_ahead = true;
+        } else {
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&ll.layer).expect("layer counted").prefetched += 1;
+        }
+        jobs
+    }
+
     pub(super) fn submit(&self, jobs: Vec<Job>, lane: Lane) {
         if jobs.is_empty() {
             return;
