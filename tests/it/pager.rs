@@ -324,6 +324,10 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     let read: u64 = layers.iter().map(|l| (u(l, "misses") + u(l, "rereads") + u(l, "prefetched") + u(l, "preloaded")) * u(l, "expert_bytes")).sum();
     assert_eq!(u(&s, "bytes_read"), read, "bytes read vs misses: {s}");
     assert!(u(&s, "misses") > 0 && u(&s, "hits") > 0, "{s}");
+    // Each miss of a one-token batch is waited for; the layers' waits add up.
+    let waited = |v: &Value| v["read_wait_seconds"].as_f64().unwrap();
+    let by_layer: f64 = layers.iter().map(waited).sum();
+    assert!(waited(&s) > 0.0 && (by_layer - waited(&s)).abs() < 1e-3, "read_wait_seconds {} against the layers' {by_layer}: {s}", waited(&s));
     // Decoding one token at a time, the next layer's experts are predicted
     // and read ahead, and batches then use some of them.
     assert!(u(&s, "prefetched") > 0 && u(&s, "prefetch_used") > 0, "prefetch: {s}");

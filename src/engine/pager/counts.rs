@@ -22,6 +22,10 @@ pub struct LayerCounts {
     /// Experts `preload` started reading (not counted in `prefetched`; a
     /// use that finds one counts in `prefetch_used`).
     pub preloaded: u64,
+    /// Microseconds the layer's compute threads spent waiting for an expert
+    /// (its read, or a slot to read it into), summed over threads: the
+    /// reads not hidden behind compute.
+    pub waited_us: u64,
 }
 
 /// Figures the pager has gathered so far.

@@ -18,11 +18,12 @@
 //! - a retired slot (`set_slots`, memory pressure) is never given to an
 //!   expert; once unpinned it holds none and its pages are the kernel's.
 //!
-//! Just over 600 lines: the pager's state machine (acquire, prepare,
-//! prefetch, release) sits in one file so that its invariants read in one
-//! place; the arena, the reader pool, the policy and residency are its own
-//! modules beside it.
+//! Over 600 lines: the pager's state machine (acquire, prepare, release)
+//! sits in one file so that its invariants read in one place; reads ahead
+//! (`ahead`), the arena, the reader pool, the policy and residency are its
+//! own modules beside it.
 
+mod ahead;
 pub mod arena;
 mod counts;
 pub mod freq_auto;
@@ -468,102 +469,6 @@ impl Pager {
         Ok(admission.deferred)
     }
 
-    /// Starts reading the experts of `layer` in `experts` (best first) that
-    /// are not in the arena, at low priority, while layer `current` is being
-    /// computed. A victim must be unpinned and hold no expert of `current` or
-    /// `layer`; it stops at the first expert with no such slot.
-    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
-        self.read_spare(layer, experts, current, false);
-    }
-
-    /// As `prefetch`, for a prompt: its experts are nearly certain to be
-    /// used, so they are not counted as prefetched (the gate judges the
-    /// decode's predictions by what it prefetched).
-    pub fn read_ahead(&self, layer: u32, experts: &[u32], current: u32) {
-        self.read_spare(layer, experts, current, true);
-    }
-
-    /// A prompt group's ubatch routes to `experts` at `layer`, having
-    /// computed `before` (the paged layer before, if any): reads ahead of
-    /// the next layer leave room for what the group's ubatches still need
-    /// at a layer, and may take the slots of what none of them needs any
-    /// more (see `read_spare`).
-    pub fn group_routes(&self, layer: u32, before: Option<u32>, experts: &[u32]) {
-        self.shared.lock().group_routes.announce(layer, before, experts);
-    }
-
-    /// The prompt group is computed: its routes are forgotten.
-    pub fn group_ends(&self) {
-        self.shared.lock().group_routes.clear();
-    }
-
-    /// A prompt group's ubatch has queued its misses at `layer`: starts
-    /// reading, behind them, what the group's later ubatches route to at
-    /// `layer` and is not in the arena, into slots no ubatch of the group
-    /// still needs. Reads ahead of `layer` had only the slots the layer
-    /// before left spare; without these, each later ubatch read the rest on
-    /// demand, its compute waiting on them.
-    pub fn read_group_owed(&self, layer: u32) {
-        let sh = &*self.shared;
-        let Some(ll) = sh.layout.layers.get(&layer) else { return };
-        let mut jobs = Vec::new();
-        let mut st = sh.lock();
-        let owed = st.group_routes.still_needed_in_order(layer);
-        let class = st.usable(&sh.arena, ll.class);
-        let spare =
-            |s: SlotId, st: &State| st.slots[s].pins == 0 && st.res.key(s).map_or(true, |k| k.layer != layer && !st.group_routes.needed(k.layer, k.expert));
-        for e in owed {
-            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
-                continue;
-            }
-            let Some(slot) = st.res.victim(layer, class.clone(), &|s| spare(s, &st)) else { break };
-            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, true));
-        }
-        drop(st);
-        sh.submit(jobs, Lane::Spare);
-    }
-
-    fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
-        let sh = &*self.shared;
-        let Some(ll) = sh.layout.layers.get(&layer) else { return };
-        let mut jobs = Vec::new();
-        let mut st = sh.lock();
-        let class = st.usable(&sh.arena, ll.class);
-        // Not `layer`'s experts, nor `current`'s that the prompt group's
-        // ubatches are still to use (all of them outside a group).
-        let spare = |s: SlotId, st: &State| {
-            st.slots[s].pins == 0
-                && match st.res.key(s) {
-                    Some(k) if k.layer == layer => false,
-                    Some(k) if k.layer == current => st.group_routes.knows(current) && !st.group_routes.needed(current, k.expert),
-                    _ => true,
-                }
-        };
-        // Slots the group's ubatches still need at `current` and that are
-        // not read yet are left to them: a read ahead taking the last
-        // spare slots would have them evict this layer's experts (or the
-        // ones read ahead), and read them again.
-        let owed = match sh.layout.layers.get(&current) {
-            Some(cl) if cl.class == ll.class => st.group_routes.still_needed(current).filter(|&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
-            _ => 0,
-        };
-        let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, &st)).count().saturating_sub(owed) };
-        for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
-            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
-                continue;
-            }
-            if room == 0 {
-                break;
-            }
-            room -= 1;
-            let victim = st.res.victim(layer, class.clone(), &|s| spare(s, &st));
-            let Some(slot) = victim else { break };
-            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, for_prompt));
-        }
-        drop(st);
-        sh.submit(jobs, Lane::Spare);
-    }
-
     /// Whether this layer's prefetch should run by default: while most
     /// prefetched experts are used (see [`gate`]).
     pub fn prefetch_pays(&self) -> bool {
@@ -607,7 +512,7 @@ impl Pager {
                 if st.slots[slot].prefetched || st.slots[slot].prompt_ahead {
                     sh.promote(slot);
                 }
-                st = sh.wait(st);
+                st = sh.wait_for_read(st, layer);
                 continue;
             }
             // The slots in use may change while this waits (`set_slots`).
@@ -640,12 +545,12 @@ impl Pager {
                             // The load's pin is now this acquire's.
                             return Ok(PinnedExpert { pager: self, slot: victim, expert, layer: ll });
                         }
-                        st = sh.wait(st);
+                        st = sh.wait_for_read(st, layer);
                     }
                 }
                 // Every slot of the class is pinned by another thread's
                 // expert; each is released when that expert is computed.
-                None => st = sh.wait(st),
+                None => st = sh.wait_for_read(st, layer),
             }
         }
     }

@@ -55,6 +55,17 @@ impl Shared {
         self.changed.wait(st).unwrap_or_else(|p| p.into_inner())
     }
 
+    /// As `wait`, for a compute thread that needs an expert of `layer` (its
+    /// read, or a slot to read it into): the time counts as the layer's.
+    pub(super) fn wait_for_read<'a>(&self, st: MutexGuard<'a, State>, layer: u32) -> MutexGuard<'a, State> {
+        let since = Instant::now();
+        let mut st = self.wait(st);
+        if let Some(c) = st.counts.get_mut(&layer) {
+            c.waited_us += since.elapsed().as_micros() as u64;
+        }
+        st
+    }
+
     /// Starts reading `expert` into `slot`, which the residency has just
     /// given it (it held `evicted`): pinned by the load until every part is
     /// read. Returns the read jobs.

@@ -36,6 +36,7 @@ const COUNTERS: &[(&str, &str, &str)] = &[
     ("sdq_read_bytes_total", "Bytes of routed experts read from the file", "bytes_read"),
     ("sdq_device_read_bytes_total", "Bytes the reads asked of the device (aligned for direct I/O)", "device_bytes_read"),
     ("sdq_read_seconds_total", "Wall time of the reads, summed over the readers", "read_seconds"),
+    ("sdq_read_wait_seconds_total", "Time compute threads waited for an expert to be read, summed over the threads", "read_wait_seconds"),
     ("sdq_read_retries_total", "Reads repeated after a transient error", "read_retries"),
     ("sdq_read_failures_total", "Expert reads that failed after their retries (each failed its batch)", "read_failures"),
     ("sdq_arena_shrinks_total", "Times the arena gave memory back under pressure", "arena_shrinks"),

@@ -264,6 +264,7 @@ impl Runtime {
                             "prefetch_late": n.prefetch_late,
                             "prefetch_wasted": n.prefetch_wasted,
                             "preloaded": n.preloaded,
+                            "read_wait_seconds": n.waited_us as f64 / 1e6,
                         })
                     })
                     .collect::<Vec<_>>()),
@@ -282,6 +283,9 @@ impl Runtime {
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
+            // Thread-seconds the expert ops waited for reads: what the
+            // reads added to the compute.
+            o.insert("read_wait_seconds".into(), json!(sum(|l| l.waited_us) as f64 / 1e6));
             // The hot set's (--sdq-hotset) experts listed at start, those read
             // (also preloaded; one already held is not), and those left.
             o.insert("warm_start_listed".into(), json!(self.warm_listed.load(Ordering::Relaxed)));

@@ -1,0 +1,103 @@
+//! Reads ahead: experts a later layer (or a prompt group's later ubatch)
+//! will need, read at low priority into slots nobody is about to use, so
+//! that they arrive while the layer before computes.
+
+use super::{ExpertKey, Lane, Pager, SlotId, State};
+
+impl Pager {
+    /// Starts reading the experts of `layer` in `experts` (best first) that
+    /// are not in the arena, at low priority, while layer `current` is being
+    /// computed. A victim must be unpinned and hold no expert of `current` or
+    /// `layer`; it stops at the first expert with no such slot.
+    pub fn prefetch(&self, layer: u32, experts: &[u32], current: u32) {
+        self.read_spare(layer, experts, current, false);
+    }
+
+    /// As `prefetch`, for a prompt: its experts are nearly certain to be
+    /// used, so they are not counted as prefetched (the gate judges the
+    /// decode's predictions by what it prefetched).
+    pub fn read_ahead(&self, layer: u32, experts: &[u32], current: u32) {
+        self.read_spare(layer, experts, current, true);
+    }
+
+    /// A prompt group's ubatch routes to `experts` at `layer`, having
+    /// computed `before` (the paged layer before, if any): reads ahead of
+    /// the next layer leave room for what the group's ubatches still need
+    /// at a layer, and may take the slots of what none of them needs any
+    /// more (see `read_spare`).
+    pub fn group_routes(&self, layer: u32, before: Option<u32>, experts: &[u32]) {
+        self.shared.lock().group_routes.announce(layer, before, experts);
+    }
+
+    /// The prompt group is computed: its routes are forgotten.
+    pub fn group_ends(&self) {
+        self.shared.lock().group_routes.clear();
+    }
+
+    /// A prompt group's ubatch has queued its misses at `layer`: starts
+    /// reading, behind them, what the group's later ubatches route to at
+    /// `layer` and is not in the arena, into slots no ubatch of the group
+    /// still needs. Reads ahead of `layer` had only the slots the layer
+    /// before left spare; without these, each later ubatch read the rest on
+    /// demand, its compute waiting on them.
+    pub fn read_group_owed(&self, layer: u32) {
+        let sh = &*self.shared;
+        let Some(ll) = sh.layout.layers.get(&layer) else { return };
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let owed = st.group_routes.still_needed_in_order(layer);
+        let class = st.usable(&sh.arena, ll.class);
+        let spare =
+            |s: SlotId, st: &State| st.slots[s].pins == 0 && st.res.key(s).map_or(true, |k| k.layer != layer && !st.group_routes.needed(k.layer, k.expert));
+        for e in owed {
+            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
+                continue;
+            }
+            let Some(slot) = st.res.victim(layer, class.clone(), &|s| spare(s, &st)) else { break };
+            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, true));
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+    }
+
+    fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
+        let sh = &*self.shared;
+        let Some(ll) = sh.layout.layers.get(&layer) else { return };
+        let mut jobs = Vec::new();
+        let mut st = sh.lock();
+        let class = st.usable(&sh.arena, ll.class);
+        // Not `layer`'s experts, nor `current`'s that the prompt group's
+        // ubatches are still to use (all of them outside a group).
+        let spare = |s: SlotId, st: &State| {
+            st.slots[s].pins == 0
+                && match st.res.key(s) {
+                    Some(k) if k.layer == layer => false,
+                    Some(k) if k.layer == current => st.group_routes.knows(current) && !st.group_routes.needed(current, k.expert),
+                    _ => true,
+                }
+        };
+        // Slots the group's ubatches still need at `current` and that are
+        // not read yet are left to them: a read ahead taking the last
+        // spare slots would have them evict this layer's experts (or the
+        // ones read ahead), and read them again.
+        let owed = match sh.layout.layers.get(&current) {
+            Some(cl) if cl.class == ll.class => st.group_routes.still_needed(current).filter(|&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
+            _ => 0,
+        };
+        let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, &st)).count().saturating_sub(owed) };
+        for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
+            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
+                continue;
+            }
+            if room == 0 {
+                break;
+            }
+            room -= 1;
+            let victim = st.res.victim(layer, class.clone(), &|s| spare(s, &st));
+            let Some(slot) = victim else { break };
+            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, for_prompt));
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+    }
+}
