@@ -703,6 +703,48 @@ fn a_larger_ubatch_is_hinted_when_it_would_read_less() {
     assert!(sanitized() || u(&after, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "-ub {ub}: over the budget: {after}");
 }
 
+/// A group whose staged ubatches need more than their allowance of the
+/// reserve (half of it) borrows the rest from an arena that holds every
+/// expert of a layer and half as many again: the batch's ubatches are one
+/// group, read once, where the allowance alone would cut them into groups
+/// of two; the arena takes its slots back once the group is computed, the
+/// process stays in its budget with every arena page faulted in, and the
+/// tokens and logits are stock's with the same flags.
+#[test]
+fn a_group_borrows_from_the_arena_what_its_allowance_lacks() {
+    let model = gen_model("group-lend.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
+    let prompt = scratch().join("group-lend.txt");
+    std::fs::write(&prompt, made_up_words(600, 9)).unwrap();
+    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "4", "-c", "2048", "--ubatch", "128", "--batch", "2048"];
+    let run_eval = |budget: Option<(&str, &str)>, tag: &str| {
+        let mut args = base.to_vec();
+        if let Some((budget, reserve)) = budget {
+            args.extend(["--ram-budget", budget, "--sdq-reserve", reserve]);
+        }
+        eval_env(&model, &format!("group-lend-{tag}"), &args, &[("SDQ_POPULATE", "1")])
+    };
+    let probe = run_eval(Some(("1G", "64M")), "probe").stats.unwrap();
+    // An arena of three layers' experts; with a roomy reserve, one group.
+    let layer: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * 128).sum();
+    let roomy = run_eval(Some((&budget_for(&probe, 64 * MIB, 3 * layer), "64M")), "roomy").stats.unwrap();
+    let (groups, ubatches) = (u(&roomy["prompt_groups"], "groups"), u(&roomy["prompt_groups"], "ubatches"));
+    assert!(groups == 1 && ubatches >= 5, "the prompt is not one group of 5 ubatches or more: {roomy}");
+    // A reserve whose half holds two staged ubatches and a half.
+    let per_ubatch = u(&roomy["prompt_groups"], "peak_bytes") / ubatches;
+    let reserve = (5 * per_ubatch).div_ceil(MIB) * MIB;
+    let budget = budget_for(&probe, reserve, 3 * layer);
+    let lent = run_eval(Some((&budget, &reserve.to_string())), "lent");
+    let stock = run_eval(None, "stock");
+    assert_eq!((&lent.json["tokens"], max_abs_diff(&lent.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "a group the arena lent to, against stock");
+    let s = lent.stats.unwrap();
+    let g = &s["prompt_groups"];
+    assert_eq!((u(g, "groups"), u(g, "ubatches")), (1, ubatches), "the batch is not one group: {s}");
+    assert!(u(g, "arena_lent_bytes") > 0 && u(g, "peak_bytes") > reserve / 2, "the group held no more than its allowance: {s}");
+    assert_eq!(u(&s, "arena_bytes"), u(&s, "arena_planned_bytes"), "the arena did not take back what it lent: {s}");
+    assert!(u(&s["prompt"], "bytes_read") <= u(&s["prompt"], "touched_bytes") * 5 / 4, "the prompt's experts were read more than once: {s}");
+    assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "peak RSS over the budget of {budget}: {s}");
+}
+
 /// An arena smaller than one layer's experts still computes a batch's
 /// ubatches together, layer by layer: it holds the experts they touch at a
 /// layer (routing that favours some), so the prompt reads far less than one
@@ -743,8 +785,9 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let read = |s: &Value| u(&s["prompt"], "bytes_read") as f64;
     assert!(read(g) < 0.7 * read(a), "grouped read {} B, one ubatch at a time {} B", read(g), read(a));
     // A group may hold half the reserve: at 1 MiB, less than two staged
-    // ubatches (their graphs and kept inputs, about 2 MiB each here).
-    let tight = run_eval(Some((&budget, "1M")), &[], "tight");
+    // ubatches (their graphs and kept inputs, about 2 MiB each here), and
+    // an arena under one layer's experts lends nothing.
+    let tight = run_eval(Some((&budget_for(&probe, MIB, layer * 3 / 4), "1M")), &[], "tight");
     let t = tight.stats.as_ref().unwrap();
     assert_eq!((u(&t["prompt_groups"], "groups"), u(&t["prompt_groups"], "no_room")), (0, 1), "a group staged beyond its allowance: {t}");
     assert_eq!((&tight.json["tokens"], max_abs_diff(&tight.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "no group against stock");

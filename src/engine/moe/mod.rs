@@ -483,13 +483,20 @@ unsafe fn expert_op(node: &sys::ggml_tensor) -> Option<(u32, &sys::ggml_tensor)>
     }
 }
 
-/// The paged layer whose experts graph node `node` computes, or None.
+/// The paged layer whose experts graph node `node` computes, or None. A
+/// prompt group's graphs are cut with this before their first expert op
+/// runs, so its top-k is noted for the runtime (`Runtime::staged_top_k`),
+/// which may need the pager before that op asks for it.
 ///
 /// # Safety
 /// `node` must be a valid tensor of a graph.
 pub unsafe fn expert_layer(node: &sys::ggml_tensor) -> Option<u32> {
     // SAFETY: per this function's contract.
-    unsafe { expert_op(node) }.map(|(layer, _)| layer)
+    let (layer, ids) = unsafe { expert_op(node) }?;
+    if let Some(rt) = runtime::get() {
+        rt.staged_top_k(ids.ne[0] as usize);
+    }
+    Some(layer)
 }
 
 /// Expert op `node`'s routing is computed, and it runs after the other

@@ -304,6 +304,12 @@ impl Layout {
         self.layers.values().map(|l| (top_k * l.expert_bytes) as u64).sum()
     }
 
+    /// The slot bytes of the layer whose experts take the most: what an
+    /// arena needs to hold every expert of any one layer.
+    pub fn largest_layer_bytes(&self) -> u64 {
+        self.layers.values().map(|l| l.n_expert as u64 * slot_bytes(self.class_bytes[l.class]) as u64).max().unwrap_or(0)
+    }
+
     /// The smallest arena that runs: one layer's top-k slots of each class.
     pub fn min_arena_bytes(&self, top_k: usize) -> u64 {
         self.class_bytes.iter().map(|&b| (top_k * slot_bytes(b)) as u64).sum()

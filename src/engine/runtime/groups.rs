@@ -33,6 +33,8 @@ pub struct GroupCounts {
     /// Batches whose first ubatch found no room to start a group (computed
     /// one ubatch at a time).
     pub refused: u64,
+    /// The most the arena lent a group's staged ubatches.
+    pub lent_bytes: u64,
 }
 
 impl Groups {
@@ -49,14 +51,25 @@ impl Groups {
     /// hold: it is staged only where a second fits too (a group of one
     /// reads nothing less than stock's order and holds more).
     pub fn room(&mut self, n_staged: u32, bytes: u64, allowance: u64) -> bool {
-        let next = if n_staged == 0 { bytes } else { bytes / u64::from(n_staged) };
-        let room = bytes + next <= allowance;
+        let room = Self::needs(n_staged, bytes) <= allowance;
         if room || n_staged > 0 {
             self.counts.peak_bytes = self.counts.peak_bytes.max(bytes);
         } else {
             self.counts.refused += 1;
         }
         room
+    }
+
+    /// What a group whose `n_staged` ubatches hold `bytes` holds once it
+    /// stages one more, about as large as those before.
+    pub fn needs(n_staged: u32, bytes: u64) -> u64 {
+        let next = if n_staged == 0 { bytes } else { bytes / u64::from(n_staged) };
+        bytes + next
+    }
+
+    /// The arena lends the group `bytes` in all.
+    pub fn lent(&mut self, bytes: u64) {
+        self.counts.lent_bytes = self.counts.lent_bytes.max(bytes);
     }
 
     pub fn counts(&self) -> GroupCounts {
@@ -106,6 +119,9 @@ mod tests {
 
     #[test]
     fn a_group_stages_what_its_allowance_holds() {
+        // The first counts twice (a group of one is not staged); the next
+        // is taken as large as the average of those before.
+        assert_eq!((Groups::needs(0, 10), Groups::needs(3, 30)), (20, 40));
         let mut g = Groups::default();
         // Ubatches of 10 bytes in 35: three fit, a fourth would not.
         assert!(g.room(0, 10, 35) && g.room(1, 10, 35) && g.room(2, 20, 35));

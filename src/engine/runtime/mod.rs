@@ -115,6 +115,9 @@ pub struct Runtime {
     awaited: Mutex<Option<PathBuf>>,
     /// Tokens of batches computed without the pager while it waited.
     unpaged_tokens: AtomicU64,
+    /// The top-k of the expert ops in a graph staged for a prompt group (0:
+    /// none yet), for a pager created while the group is staged.
+    staged_top_k: std::sync::atomic::AtomicUsize,
     /// Held while the pager is being created.
     creating: Mutex<()>,
 }
@@ -157,6 +160,7 @@ pub fn install(options: Options) -> Result<&'static Runtime, Error> {
         watch: Mutex::new(None),
         awaited: Mutex::new(None),
         unpaged_tokens: AtomicU64::new(0),
+        staged_top_k: std::sync::atomic::AtomicUsize::new(0),
         creating: Mutex::new(()),
     });
     std::thread::Builder::new()
@@ -599,18 +603,49 @@ impl Runtime {
     /// hold: they take at most half of what the tool's planned growth
     /// (llama-server's prompt cache and checkpoints, three quarters of the
     /// reserve by default; see `memory::growth`) leaves of the reserve, the
-    /// other half staying for the rest of the growth after load.
+    /// other half staying for the rest of the growth after load. Where that
+    /// is short, an arena that holds every expert of a layer and half as many
+    /// again lends the rest for the group (`pressure::Watch::lend`): its
+    /// ubatches still find a layer's experts, and the batch is read once
+    /// rather than once per group.
     pub fn group_room(&self, n_staged: u32, bytes: u64) -> bool {
         let reserve = match self.pager.get() {
             Some((_, plan)) => plan.reserve,
             None => self.options.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(self.budget)),
         };
-        self.lock_groups().room(n_staged, bytes, reserve.saturating_sub(self.options.planned_growth) / 2)
+        let allowance = reserve.saturating_sub(self.options.planned_growth) / 2;
+        // A process's first prompt is staged before any expert op has asked
+        // for the pager: it is made now, for the arena to lend from.
+        let top_k = self.staged_top_k.load(Ordering::Relaxed);
+        if self.pager.get().is_none() && top_k > 0 {
+            let _ = self.pager_if_ready(top_k, None);
+        }
+        let room = self.with_watch(|watch, pager, plan| {
+            let floor = pager.layout().largest_layer_bytes() * 3 / 2;
+            let lendable = watch.lendable(floor);
+            let mut groups = self.lock_groups();
+            if !groups.room(n_staged, bytes, allowance + lendable) {
+                return false;
+            }
+            let more = groups::Groups::needs(n_staged, bytes).saturating_sub(allowance + watch.lent());
+            if more > 0 {
+                watch.lend(more, pager, plan.top_k);
+                groups.lent(watch.lent());
+            }
+            true
+        });
+        room.unwrap_or_else(|| self.lock_groups().room(n_staged, bytes, allowance))
+    }
+
+    /// A graph staged for a prompt group computes experts `top_k` at a time.
+    pub fn staged_top_k(&self, top_k: usize) {
+        self.staged_top_k.store(top_k, Ordering::Relaxed);
     }
 
     /// The group is computed, or failed.
     pub fn on_group_ends(&self) {
         self.lock_groups().end();
+        self.with_watch(|watch, pager, plan| watch.give_back(pager, plan.top_k));
         if let Some((pager, _)) = self.pager.get() {
             pager.group_ends();
         }
@@ -746,14 +781,20 @@ impl Runtime {
     /// Fits the arena to the room the process has now (see `pressure`),
     /// once the pager exists; `rss_anon` is this tick's sample.
     fn watch_room(&self, rss_anon: u64) {
-        let Some((pager, plan)) = self.pager.get() else { return };
+        self.with_watch(|w, pager, plan| w.poll(pager, plan.top_k, rss_anon));
+    }
+
+    /// Runs `f` on the arena's watch (made on first use), once the pager
+    /// exists.
+    fn with_watch<R>(&self, f: impl FnOnce(&mut crate::engine::runtime::pressure::Watch, &Pager, &ArenaPlan) -> R) -> Option<R> {
+        let (pager, plan) = self.pager.get()?;
         let mut watch = self.watch.lock().unwrap_or_else(|p| p.into_inner());
         let w = watch.get_or_insert_with(|| {
             let bounds =
                 crate::engine::runtime::pressure::Plan { budget: self.budget, arena: plan.arena_bytes, min_arena: pager.layout().min_arena_bytes(plan.top_k) };
             crate::engine::runtime::pressure::Watch::new(bounds, self.options.budget_auto)
         });
-        w.poll(pager, plan.top_k, rss_anon);
+        Some(f(w, pager, plan))
     }
 
     fn sample_memory(&self) -> ProcMemory {

@@ -4,7 +4,10 @@
 //! running server) and, with `--ram-budget auto`, by MemAvailable plus what
 //! the process already holds. Whatever the room lacks of the budget, the
 //! arena gives back, down to one layer's top-k; when room returns, it grows
-//! back to its plan. The runtime's memory thread polls `Watch::poll`.
+//! back to its plan. The runtime's memory thread polls `Watch::poll`. A
+//! prompt group whose staged ubatches need more than their allowance of
+//! the reserve borrows the rest from the arena for the group's compute
+//! (`Watch::lend`), where the arena keeps a layer's experts and half more.
 
 use crate::engine::pager::Pager;
 use crate::units::{human, MIB};
@@ -74,15 +77,60 @@ pub struct Watch {
     pub arena: u64,
     pub shrinks: u64,
     pub grows: u64,
-    /// The smallest the arena has been.
+    /// The smallest the arena has been under pressure (not counting what
+    /// it lent a prompt group).
     pub smallest: u64,
     /// The room at the last poll.
     pub room: u64,
+    /// What the arena lends the prompt group being staged or computed.
+    lent: u64,
+}
+
+/// Why the arena changes size.
+#[derive(Clone, Copy)]
+enum Resize {
+    /// The room, and the limit that set it.
+    Room(&'static str),
+    /// A prompt group borrows, or gives back.
+    Group,
 }
 
 impl Watch {
     pub fn new(plan: Plan, auto: bool) -> Watch {
-        Watch { plan, auto, arena: plan.arena, shrinks: 0, grows: 0, smallest: plan.arena, room: plan.budget }
+        Watch { plan, auto, arena: plan.arena, shrinks: 0, grows: 0, smallest: plan.arena, room: plan.budget, lent: 0 }
+    }
+
+    /// The arena the room leaves, less what a prompt group borrows.
+    fn target(&self) -> u64 {
+        self.plan.arena_for(self.room).saturating_sub(self.lent).max(self.plan.min_arena)
+    }
+
+    /// What the arena could lend a prompt group in all (counting what it
+    /// lends now) and still hold `floor`.
+    pub fn lendable(&self, floor: u64) -> u64 {
+        self.plan.arena_for(self.room).saturating_sub(floor.max(self.plan.min_arena))
+    }
+
+    /// What the arena lends now.
+    pub fn lent(&self) -> u64 {
+        self.lent
+    }
+
+    /// Lends `bytes` more of the arena to a prompt group's staged ubatches:
+    /// slots past the smaller arena give their memory back before the
+    /// next ubatch is staged (a slot being read gives it when its read
+    /// ends). The caller has checked `lendable`.
+    pub fn lend(&mut self, bytes: u64, pager: &Pager, top_k: usize) {
+        self.lent += bytes;
+        self.resize(self.target(), Resize::Group, pager, top_k);
+    }
+
+    /// The group is done: the arena takes back what it lent.
+    pub fn give_back(&mut self, pager: &Pager, top_k: usize) {
+        if self.lent > 0 {
+            self.lent = 0;
+            self.resize(self.target(), Resize::Group, pager, top_k);
+        }
     }
 
     /// Reads the room and resizes the pager's arena if it no longer fits
@@ -97,11 +145,15 @@ impl Watch {
     pub fn apply(&mut self, reading: Reading, pager: &Pager, top_k: usize) {
         let (room, cause) = self.plan.room(reading);
         self.room = room;
-        let target = self.plan.arena_for(room);
+        let target = self.target();
         let grow = target > self.arena && (target == self.plan.arena || target - self.arena >= GROW_STEP);
         if target >= self.arena && !grow {
             return;
         }
+        self.resize(target, Resize::Room(cause), pager, top_k);
+    }
+
+    fn resize(&mut self, target: u64, why: Resize, pager: &Pager, top_k: usize) {
         let counts = match pager.layout().plan_slots(target, top_k) {
             Ok(slots) => slots.into_iter().map(|(_, n)| n).collect::<Vec<_>>(),
             Err(e) => {
@@ -109,30 +161,41 @@ impl Watch {
                 return;
             }
         };
+        let under_pressure = matches!(why, Resize::Room(_));
         // An arena planned larger than every expert needs (the budget holds
         // them all) first gives back what it never used: no slot changes.
         if counts == pager.slots_in_use() {
             self.arena = target;
-            self.smallest = self.smallest.min(target);
+            if under_pressure {
+                self.smallest = self.smallest.min(target);
+            }
             return;
         }
         let before = pager.arena_bytes_in_use();
         let now = pager.set_slots(&counts, top_k);
-        if target < self.arena {
-            self.shrinks += 1;
-            eprintln!(
-                "sdq: notice: {cause} leaves {} of room: the expert arena gives back {} and now holds {} (of its {})",
-                human(room),
-                human(before.saturating_sub(now)),
-                human(now),
-                human(self.plan.arena)
-            );
-        } else {
-            self.grows += 1;
-            eprintln!("sdq: notice: room is back to {}: the expert arena grows to {} (of its {})", human(room), human(now), human(self.plan.arena));
+        match why {
+            Resize::Group => {
+                log::info!("the expert arena lends a prompt group {} and holds {} (of its {})", human(self.lent), human(now), human(self.plan.arena))
+            }
+            Resize::Room(cause) if target < self.arena => {
+                self.shrinks += 1;
+                eprintln!(
+                    "sdq: notice: {cause} leaves {} of room: the expert arena gives back {} and now holds {} (of its {})",
+                    human(self.room),
+                    human(before.saturating_sub(now)),
+                    human(now),
+                    human(self.plan.arena)
+                );
+            }
+            Resize::Room(_) => {
+                self.grows += 1;
+                eprintln!("sdq: notice: room is back to {}: the expert arena grows to {} (of its {})", human(self.room), human(now), human(self.plan.arena));
+            }
         }
         self.arena = target;
-        self.smallest = self.smallest.min(target);
+        if under_pressure {
+            self.smallest = self.smallest.min(target);
+        }
     }
 }
 
