@@ -605,9 +605,9 @@ impl Runtime {
     /// reserve by default; see `memory::growth`) leaves of the reserve, the
     /// other half staying for the rest of the growth after load. Where that
     /// is short, an arena that holds every expert of a layer and half as many
-    /// again lends the rest for the group (`pressure::Watch::lend`): its
-    /// ubatches still find a layer's experts, and the batch is read once
-    /// rather than once per group.
+    /// again (but not every expert of the model) lends the rest for the
+    /// group (`pressure::Watch::lend`): its ubatches still find a layer's
+    /// experts, and the batch is read once rather than once per group.
     pub fn group_room(&self, n_staged: u32, bytes: u64) -> bool {
         let reserve = match self.pager.get() {
             Some((_, plan)) => plan.reserve,
@@ -621,8 +621,10 @@ impl Runtime {
             let _ = self.pager_if_ready(top_k, None);
         }
         let room = self.with_watch(|watch, pager, plan| {
+            // An arena of every expert reads nothing again however the
+            // batch is cut: it keeps its experts rather than lend.
             let floor = pager.layout().largest_layer_bytes() * 3 / 2;
-            let lendable = watch.lendable(floor);
+            let lendable = if pager.holds_every_expert() { 0 } else { watch.lendable(floor) };
             let mut groups = self.lock_groups();
             if !groups.room(n_staged, bytes, allowance + lendable) {
                 return false;
