@@ -161,39 +161,38 @@ impl Watch {
                 return;
             }
         };
-        let under_pressure = matches!(why, Resize::Room(_));
         // An arena planned larger than every expert needs (the budget holds
         // them all) first gives back what it never used: no slot changes.
-        if counts == pager.slots_in_use() {
-            self.arena = target;
-            if under_pressure {
-                self.smallest = self.smallest.min(target);
-            }
-            return;
-        }
-        let before = pager.arena_bytes_in_use();
-        let now = pager.set_slots(&counts, top_k);
-        match why {
-            Resize::Group => {
-                log::info!("the expert arena lends a prompt group {} and holds {} (of its {})", human(self.lent), human(now), human(self.plan.arena))
-            }
-            Resize::Room(cause) if target < self.arena => {
-                self.shrinks += 1;
-                eprintln!(
-                    "sdq: notice: {cause} leaves {} of room: the expert arena gives back {} and now holds {} (of its {})",
-                    human(self.room),
-                    human(before.saturating_sub(now)),
-                    human(now),
-                    human(self.plan.arena)
-                );
-            }
-            Resize::Room(_) => {
-                self.grows += 1;
-                eprintln!("sdq: notice: room is back to {}: the expert arena grows to {} (of its {})", human(self.room), human(now), human(self.plan.arena));
+        if counts != pager.slots_in_use() {
+            let before = pager.arena_bytes_in_use();
+            let now = pager.set_slots(&counts, top_k);
+            match why {
+                Resize::Group => {
+                    log::info!("the expert arena lends a prompt group {} and holds {} (of its {})", human(self.lent), human(now), human(self.plan.arena))
+                }
+                Resize::Room(cause) if target < self.arena => {
+                    self.shrinks += 1;
+                    eprintln!(
+                        "sdq: notice: {cause} leaves {} of room: the expert arena gives back {} and now holds {} (of its {})",
+                        human(self.room),
+                        human(before.saturating_sub(now)),
+                        human(now),
+                        human(self.plan.arena)
+                    );
+                }
+                Resize::Room(_) => {
+                    self.grows += 1;
+                    eprintln!(
+                        "sdq: notice: room is back to {}: the expert arena grows to {} (of its {})",
+                        human(self.room),
+                        human(now),
+                        human(self.plan.arena)
+                    );
+                }
             }
         }
         self.arena = target;
-        if under_pressure {
+        if matches!(why, Resize::Room(_)) {
             self.smallest = self.smallest.min(target);
         }
     }
