@@ -17,14 +17,18 @@
 //!   but are never part of a tool's process.
 //!
 //! Beside them, [`error`] (the crate's error type), [`units`] (sizes
-//! parsed and shown) and [`files`] (files replaced whole), which everything
-//! may use.
+//! parsed and shown), [`files`] (files replaced whole) and [`console`]
+//! (lines on stderr written whole), which everything may use.
 //!
 //! `src/bin/` holds one thin `main` per binary. The C++ side talks to the
 //! engine through one header, `shim/sdq-hooks.h`.
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
+
+// First, so that its macro is in scope in every module after it.
+#[macro_use]
+pub mod console;
 
 pub mod commands;
 pub mod engine;

@@ -7,6 +7,7 @@
 
 use clap::{Parser, Subcommand};
 use sdq::commands::genmodel;
+use sdq::stderr_line;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -124,7 +125,7 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
         let text = serde_json::to_string_pretty(&r).expect("serialize");
         match &a.report {
             Some(p) => std::fs::write(p, text + "\n").map_err(|e| sdq::Error::io("cannot write", p, e))?,
-            None => eprintln!("{text}"),
+            None => stderr_line!("{text}"),
         }
         return Ok(ExitCode::SUCCESS);
     }
@@ -134,7 +135,7 @@ fn limit(a: LimitArgs) -> sdq::Result<ExitCode> {
     let text = serde_json::to_string_pretty(&r).expect("serialize");
     match &a.report {
         Some(p) => std::fs::write(p, text + "\n").map_err(|e| sdq::Error::io("cannot write", p, e))?,
-        None => eprintln!("{text}"),
+        None => stderr_line!("{text}"),
     }
     let code = r["exit_code"].as_i64().unwrap_or_else(|| 128 + r["signal"].as_i64().unwrap_or(0));
     Ok(ExitCode::from(code.clamp(0, 255) as u8))
@@ -397,7 +398,7 @@ fn main() -> ExitCode {
         }) {
             Ok(o) => o,
             Err(e) => {
-                eprintln!("sdq: error: {e}");
+                stderr_line!("sdq: error: {e}");
                 return ExitCode::FAILURE;
             }
         }
@@ -408,7 +409,7 @@ fn main() -> ExitCode {
     // Only `sdq eval` runs a model in this process; `inspect` just reads the budget.
     if opts.budget.is_some() && matches!(cli.command, Command::Eval(_)) {
         if let Err(e) = sdq::engine::runtime::install(opts.clone()) {
-            eprintln!("sdq: error: {e}");
+            stderr_line!("sdq: error: {e}");
             return ExitCode::FAILURE;
         }
         sdq::engine::hooks::install();
@@ -430,7 +431,7 @@ fn main() -> ExitCode {
         Ok(()) if !honoured => ExitCode::FAILURE,
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("sdq: error: {e}");
+            stderr_line!("sdq: error: {e}");
             ExitCode::FAILURE
         }
     }

@@ -24,17 +24,17 @@ pub fn init_from_env() {
     let opts = match Options::from_args_and_env(&mut vec![std::ffi::OsString::from("libllama")], |k| std::env::var(k).ok()) {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("sdq: error: {e}; libllama runs without a budget");
+            stderr_line!("sdq: error: {e}; libllama runs without a budget");
             return;
         }
     };
     let Some(budget) = opts.budget else { return };
     if let Err(e) = crate::engine::memory::budget::check_against_ram(budget) {
-        eprintln!("sdq: error: {e}; libllama runs without a budget");
+        stderr_line!("sdq: error: {e}; libllama runs without a budget");
         return;
     }
     if let Err(e) = runtime::install(opts) {
-        eprintln!("sdq: error: {e}; libllama runs without a budget");
+        stderr_line!("sdq: error: {e}; libllama runs without a budget");
         return;
     }
     // What would end a tool fails the call instead: the host program goes on.

@@ -86,7 +86,7 @@ fn check_models(program: &str, args: &[OsString]) -> Vec<preflight::ModelCheck> 
         .iter()
         .map(|p| {
             preflight::check_model(p).unwrap_or_else(|e| {
-                eprintln!("{program}: error: {e}");
+                stderr_line!("{program}: error: {e}");
                 std::process::exit(1);
             })
         })
@@ -103,7 +103,7 @@ fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::Mo
         return None;
     }
     let check = preflight::check_model(&path).unwrap_or_else(|e| {
-        eprintln!("{program}: error: {e}");
+        stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     });
     (check.routed_expert_tensors > 0).then_some(path)
@@ -114,7 +114,7 @@ fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::Mo
 /// raises the reserve for what they asked for (see `growth`).
 fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, opts: &mut Options) {
     let fail = |e: crate::error::Error| -> ! {
-        eprintln!("{program}: error: {e}");
+        stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     };
     let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
@@ -125,7 +125,7 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
         std::env::set_var(k, v);
     }
     if let Some(n) = &plan.notice {
-        eprintln!("sdq: notice: {n}");
+        stderr_line!("sdq: notice: {n}");
     }
     if plan.reserve != reserve {
         opts.reserve = Some(plan.reserve);
@@ -203,13 +203,13 @@ pub fn run(entry: Entry) -> ! {
     let mut opts = match Options::from_args_and_env(&mut args, |k| std::env::var(k).ok()) {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("{program}: error: {e}");
+            stderr_line!("{program}: error: {e}");
             std::process::exit(1);
         }
     };
     if args.iter().skip(1).any(|a| a == "--version") {
         // Upstream's own version lines follow (its build number and commit).
-        eprintln!("sdq {VERSION}");
+        stderr_line!("sdq {VERSION}");
     }
     if args.iter().skip(1).any(|a| a == "-h" || a == "--help" || a == "--usage") {
         // Upstream prints its help and may exit() from inside its parser.
@@ -217,26 +217,26 @@ pub fn run(entry: Entry) -> ! {
         unsafe { libc::atexit(print_sdq_help) };
     }
     if let Err(e) = opts.check_needs_budget() {
-        eprintln!("{program}: error: {e}");
+        stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     }
     if let Some(Err(e)) = opts.budget.map(crate::engine::memory::budget::check_against_ram) {
-        eprintln!("{program}: error: {e}");
+        stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     }
     let checks = if opts.budget.is_some() { check_models(&program, &args) } else { Vec::new() };
     let node_model = if tool_is(&program, "rpc-server") { take_node_model(&mut args) } else { None };
     if tool_is(&program, "rpc-server") && opts.budget.is_some() && node_model.is_none() {
-        eprintln!("{program}: error: --ram-budget on an rpc-server pages the routed experts of its own copy of the model: name it with -m FILE (the same model files as the host's)");
+        stderr_line!("{program}: error: --ram-budget on an rpc-server pages the routed experts of its own copy of the model: name it with -m FILE (the same model files as the host's)");
         std::process::exit(1);
     }
     if node_model.is_some() && opts.budget.is_none() {
-        eprintln!("sdq: notice: -m is used with --ram-budget only; rpc-server runs as upstream's and the host sends every weight");
+        stderr_line!("sdq: notice: -m is used with --ram-budget only; rpc-server runs as upstream's and the host sends every weight");
     }
     // Models were named and none has routed experts: there is nothing to page.
     if !checks.is_empty() && checks.iter().all(|c| c.routed_expert_tensors == 0) {
         let tool = std::path::Path::new(&program).file_name().map_or(program.clone(), |n| n.to_string_lossy().into_owned());
-        eprintln!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
+        stderr_line!("sdq: notice: the model has no routed-expert tensors; --ram-budget is ignored and {tool} runs as stock llama.cpp");
     } else if let Some(budget) = opts.budget {
         if tool_is(&program, "llama-imatrix") {
             // It reads each expert matmul's input from the graph (patch 0003
@@ -255,7 +255,7 @@ pub fn run(entry: Entry) -> ! {
         }
         let draft = draft_with_experts(&program, &args, &checks);
         if draft.is_some() && opts.trace_file.is_some() {
-            eprintln!("{program}: error: --sdq-trace records one model's routing, and the draft model has routed experts too: trace without -md");
+            stderr_line!("{program}: error: --sdq-trace records one model's routing, and the draft model has routed experts too: trace without -md");
             std::process::exit(1);
         }
         // Children (llama-server's router re-executes itself) inherit the options.
@@ -263,7 +263,7 @@ pub fn run(entry: Entry) -> ! {
             std::env::set_var(k, v);
         }
         if let Err(e) = runtime::install(opts) {
-            eprintln!("{program}: error: {e}");
+            stderr_line!("{program}: error: {e}");
             std::process::exit(1);
         }
         if let (Some(rt), Some(draft)) = (runtime::get(), draft) {
@@ -275,7 +275,7 @@ pub fn run(entry: Entry) -> ! {
             // fails the host's batch; the node serves on.
             runtime::failure::serve_as_node();
             if let Err(e) = crate::engine::rpc::node::open(path) {
-                eprintln!("{program}: error: {e}");
+                stderr_line!("{program}: error: {e}");
                 std::process::exit(1);
             }
             finish_on_stop_signal();

@@ -1,5 +1,9 @@
 //! Integration tests: real binaries, real GGUF files, real processes.
 
+// The test harness captures a test's stderr whole; no llama.cpp thread
+// writes into it.
+#![allow(clippy::disallowed_macros)]
+
 mod archs;
 mod badinput;
 mod browser;

@@ -458,7 +458,7 @@ impl Progress {
     fn finish(&self) {
         if self.enabled {
             self.draw();
-            eprintln!();
+            stderr_line!();
         }
     }
 }

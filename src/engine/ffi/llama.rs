@@ -45,7 +45,7 @@ pub fn remember_default_log() {
 /// llama.cpp's errors in its own log finds sdq's there (llama-cpp-python's
 /// callback shows them only when verbose, so stderr stays).
 pub fn log_error(line: &str) {
-    eprintln!("{line}");
+    stderr_line!("{line}");
     let (callback, data) = current_log();
     let Some(log) = callback else { return };
     if DEFAULT_LOG.get().is_some_and(|&d| d == log as usize) {

@@ -83,7 +83,7 @@ pub fn install_panic_hook() {
                 log::debug!("panic on thread {:?}: {text}", std::thread::current().name());
                 LAST_PANIC.with(|p| *p.borrow_mut() = Some(text));
             } else {
-                eprintln!("sdq: internal error: {text}");
+                stderr_line!("sdq: internal error: {text}");
             }
         }));
     });

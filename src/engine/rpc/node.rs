@@ -67,7 +67,7 @@ pub fn claim(c: &Claim) -> u64 {
         Ok(()) => CLAIMED_BYTES,
         Err((r, detail)) => {
             let file = MODEL.get().and_then(|m| m.files.get(c.file as usize)).or_else(|| MODEL.get().and_then(|m| m.files.first()));
-            eprintln!(
+            stderr_line!(
                 "sdq: error: refused the host's claim on {}: {}{} (this node's model: {})",
                 c.name,
                 r.reason(),

@@ -33,7 +33,7 @@ pub fn fatal(msg: &str) -> ! {
         // SAFETY: as below.
         unsafe { libc::_exit(1) }
     }
-    eprintln!("sdq: error: {msg}");
+    stderr_line!("sdq: error: {msg}");
     if let Some(rt) = get() {
         rt.finish(false);
     }
@@ -162,7 +162,7 @@ fn say_error(line: &str) {
     if EMBEDDED.load(Ordering::Acquire) {
         crate::engine::ffi::llama::log_error(line);
     } else {
-        eprintln!("{line}");
+        stderr_line!("{line}");
     }
 }
 

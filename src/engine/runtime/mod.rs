@@ -317,7 +317,7 @@ impl Runtime {
         let name = renumbered(name, r.loading().layer_base);
         if let Some(n) = notice {
             if r.layout_notices.insert(n.clone()) {
-                eprintln!("sdq: notice: {name}: {n}");
+                stderr_line!("sdq: notice: {name}: {n}");
             }
         }
         log::debug!("{name}: {} layout", layout.name());
@@ -570,7 +570,7 @@ impl Runtime {
         let set = HotSet { layers: geometry(pager.layout()), experts: experts.into_values().collect() };
         match set.save(path) {
             Ok(()) => log::info!("hot set of {} experts saved to {}", set.experts.iter().filter(|e| e.held).count(), path.display()),
-            Err(e) => eprintln!("sdq: warning: {e}"),
+            Err(e) => stderr_line!("sdq: warning: {e}"),
         }
     }
 
@@ -739,7 +739,7 @@ impl Runtime {
         if self.options.group.map_or(true, |n| n > 1) && !self.tracing() && groups.refused == 0 {
             let Some(batch) = run.batch_hint(size).filter(|_| pager.holds_a_layer() || groups.computed > 0) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
-                eprintln!(
+                stderr_line!(
                     "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about once",
                     run.what_it_read("batches of up to")
                 );
@@ -750,7 +750,7 @@ impl Runtime {
         if SAID.swap(true, Ordering::Relaxed) {
             return;
         }
-        eprintln!(
+        stderr_line!(
             "sdq: hint: {} (each ubatch reads its experts again); -ub {} (with -b at least that) would read about {}, and its compute buffers (about {} more) fit the budget",
             run.what_it_read("ubatches of"),
             h.ubatch,

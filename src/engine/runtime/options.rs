@@ -115,7 +115,7 @@ fn budget_of(flag: &str, value: &str) -> Result<u64> {
     if is_auto(value) {
         let (bytes, source) = crate::engine::memory::budget::auto_budget()
             .ok_or_else(|| Error::flag(flag, format!("{flag} auto: no memory limit, MemAvailable or RLIMIT_AS could be read")))?;
-        eprintln!("sdq: {flag} auto = {} ({source})", crate::units::human(bytes));
+        stderr_line!("sdq: {flag} auto = {} ({source})", crate::units::human(bytes));
         return Ok(bytes);
     }
     size_of(flag, value)

@@ -51,7 +51,7 @@ impl Runtime {
         let pager =
             Pager::new(layout, &counts, reader, readers, self.options.populate.unwrap_or_default(), self.options.policy.unwrap_or_default(), top_k, pages)?;
         if let Some(why) = pager.arena_fallback() {
-            eprintln!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
+            stderr_line!("sdq: notice: {why}: the expert arena uses {}", pager.arena_backing().name());
         }
         if let (Some(hot), Some(path)) = (&self.hotset, &self.options.hotset_file) {
             hot.check_model(path, &geometry(pager.layout()))?;

@@ -172,7 +172,7 @@ impl Watch {
                 }
                 Resize::Room(cause) if target < self.arena => {
                     self.shrinks += 1;
-                    eprintln!(
+                    stderr_line!(
                         "sdq: notice: {cause} leaves {} of room: the expert arena gives back {} and now holds {} (of its {})",
                         human(self.room),
                         human(before.saturating_sub(now)),
@@ -182,7 +182,7 @@ impl Watch {
                 }
                 Resize::Room(_) => {
                     self.grows += 1;
-                    eprintln!(
+                    stderr_line!(
                         "sdq: notice: room is back to {}: the expert arena grows to {} (of its {})",
                         human(self.room),
                         human(now),

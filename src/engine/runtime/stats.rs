@@ -31,13 +31,13 @@ impl Runtime {
         if let Some(trace) = &self.trace {
             let mut t = trace.lock().unwrap_or_else(|p| p.into_inner());
             if let Err(e) = t.flush() {
-                eprintln!("sdq: error: {e}");
+                stderr_line!("sdq: error: {e}");
             }
         }
         self.save_hotset();
         self.write_stats(true);
         if let Some(line) = summary.then(|| self.summary_line()).flatten() {
-            eprintln!("{line}");
+            stderr_line!("{line}");
         }
         let peak = self.peak_rss_anon.load(Ordering::Relaxed);
         // Over the budget with nothing paged, though batches ran and none
@@ -45,7 +45,7 @@ impl Runtime {
         let failed = super::failure::failed();
         let computed = self.ubatches.load(Ordering::Relaxed) > 0 && failed.batches == 0 && failed.loads == 0;
         if self.pager.latest().is_none() && peak > self.budget && computed {
-            eprintln!(
+            stderr_line!(
                 "sdq: error: RAM budget {} was not honoured: the process held {} of anonymous memory, and no routed expert was paged (the model's graph uses none of its expert tensors), so nothing could be kept out of memory; the budget must be at least {}",
                 human(self.budget),
                 human(peak),
@@ -82,7 +82,7 @@ impl Runtime {
         };
         if let Err(e) = result {
             if !WARNED.swap(true, Ordering::SeqCst) {
-                eprintln!("sdq: warning: cannot write stats to {}: {e}", path.display());
+                stderr_line!("sdq: warning: cannot write stats to {}: {e}", path.display());
             }
         }
     }
