@@ -167,9 +167,10 @@ impl Watch {
             let before = pager.arena_bytes_in_use();
             let now = pager.set_slots(&counts, top_k);
             match why {
-                Resize::Group => {
+                Resize::Group if self.lent > 0 => {
                     log::info!("the expert arena lends a prompt group {} and holds {} (of its {})", human(self.lent), human(now), human(self.plan.arena))
                 }
+                Resize::Group => log::info!("the prompt group gave the arena back its loan: it holds {} (of its {})", human(now), human(self.plan.arena)),
                 Resize::Room(cause) if target < self.arena => {
                     self.shrinks += 1;
                     stderr_line!(
