@@ -21,6 +21,9 @@
 //! modified. This script reruns only when the pin, the patches, the shims,
 //! the build steps or the variables below change, never for a Rust-only edit.
 
+// A build script's stderr is cargo's: no llama.cpp thread writes into it.
+#![allow(clippy::disallowed_macros)]
+
 #[path = "build/bindings.rs"]
 mod bindings;
 #[path = "build/build_tools.rs"]
