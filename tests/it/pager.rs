@@ -745,44 +745,6 @@ fn a_group_borrows_from_the_arena_what_its_allowance_lacks() {
     assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "peak RSS over the budget of {budget}: {s}");
 }
 
-/// Behind dense leading layers (DeepSeek's three, here two) a prompt's first
-/// paged layer is guessed: its likely experts are read while the dense
-/// layers compute, before its router has chosen, and those the router does
-/// not choose are dropped while their reads are still queued (each read
-/// slowed to 30 ms, so that some are). Only an arena that holds a layer's
-/// experts guesses; the tokens and logits are stock's with the same flags.
-#[test]
-fn the_first_paged_layer_is_read_while_the_dense_layers_compute() {
-    let model = gen_model(
-        "guess-dense.gguf",
-        &["--arch", "deepseek2", "--layers", "4", "--dense-layers", "2", "--experts", "64", "--top-k", "4", "--router-skew", "0", "--seed", "3"],
-    );
-    let prompt = scratch().join("guess-dense.txt");
-    std::fs::write(&prompt, made_up_words(300, 11)).unwrap();
-    let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "2", "-c", "2048", "--ubatch", "128"];
-    let with = |budget: &str, tag: &str| {
-        let args = [&base[..], &["--ram-budget", budget, "--sdq-reserve", "64M"]].concat();
-        eval_env(&model, &format!("guess-{tag}"), &args, &[("SDQ_FAULT_READ", "delay=30")])
-    };
-    let probe = eval(&model, "guess-probe", &[&base[..], &["--ram-budget", "1G", "--sdq-reserve", "64M"]].concat()).stats.unwrap();
-    let layer: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| slot_bytes(c) * 64).sum();
-    let paged: Vec<u64> = probe["layers"].as_array().unwrap().iter().map(|l| u(l, "layer")).collect();
-    assert_eq!(paged, [2, 3], "paged layers: {probe}");
-    let stock = eval(&model, "guess-stock", &base);
-    let by_layer = |s: &Value, key: &str| -> Vec<u64> { s["layers"].as_array().unwrap().iter().map(|l| u(l, key)).collect() };
-    // An arena of a layer and a half: the first paged layer is guessed.
-    let guessed = with(&budget_for(&probe, 64 * MIB, layer * 3 / 2), "layer-and-a-half");
-    assert_eq!((&guessed.json["tokens"], max_abs_diff(&guessed.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "guessed against stock");
-    let g = guessed.stats.unwrap();
-    let (tried, dropped) = (by_layer(&g, "guessed"), by_layer(&g, "guesses_dropped"));
-    assert!(tried[0] >= 32 && tried[1] == 0, "guesses by layer {tried:?}: {g}");
-    assert!(dropped[0] > 0 && dropped[0] < tried[0], "no guess dropped unread, or every one: {dropped:?} of {tried:?}: {g}");
-    // An arena under a layer's experts would evict what the layer needs.
-    let small = with(&budget_for(&probe, 64 * MIB, layer * 3 / 4), "under-a-layer");
-    assert_eq!((&small.json["tokens"], max_abs_diff(&small.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "under a layer against stock");
-    assert_eq!(u(small.stats.as_ref().unwrap(), "guessed"), 0, "guessed in an arena under a layer: {}", small.stats.unwrap());
-}
-
 /// An arena smaller than one layer's experts still computes a batch's
 /// ubatches together, layer by layer: it holds the experts they touch at a
 /// layer (routing that favours some), so the prompt reads far less than one

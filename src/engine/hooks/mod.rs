@@ -93,14 +93,11 @@ extern "C" fn compute_buffers(_: *mut c_void, ctx: *const c_void, bytes: usize, 
     })
 }
 
-extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, n_tokens: u32) {
+extern "C" fn ubatch_begins(_: *mut c_void, pos0: i32, _n_tokens: u32) {
     guard("ubatch_begins", || {
         moe::forget_left_calls();
         if let Some(rt) = runtime::get() {
             rt.on_ubatch(pos0);
-            if i64::from(n_tokens) > moe::DECODE_MAX_TOKENS {
-                rt.read_before_routing(u64::from(n_tokens));
-            }
         }
     })
 }
@@ -113,7 +110,6 @@ extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32) {
     guard("group_begins", || {
         if let Some(rt) = runtime::get() {
             rt.on_group_begins(n_ubatches, u64::from(n_tokens));
-            rt.read_before_routing(u64::from(n_tokens));
         }
     })
 }

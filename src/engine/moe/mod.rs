@@ -52,7 +52,7 @@ pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
 /// Batches of up to this many tokens are decode steps (of one sequence or
 /// several at once), whose prediction of the next layer is read ahead only
 /// while predictions pay; a larger one is a prompt's.
-pub const DECODE_MAX_TOKENS: i64 = 8;
+const DECODE_MAX_TOKENS: i64 = 8;
 
 /// What one paged matmul needs, fixed when the graph is built (graphs are
 /// reused, so this lives as long as the process).
@@ -512,21 +512,18 @@ pub unsafe fn read_ahead(node: &sys::ggml_tensor) {
     let Some((layer, ids)) = (unsafe { expert_op(node) }) else { return };
     let Some(rt) = runtime::get() else { return };
     let Some(pager) = rt.pager_ready() else { return };
-    let mut tokens: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut experts = std::collections::BTreeSet::new();
     for t in 0..ids.ne[1] {
         for k in 0..ids.ne[0] {
             // SAFETY: k < ne0 and t < ne1 of ids, the I32 routing computed.
             let e = unsafe { expert_id(ids, k, t) };
             if e >= 0 {
-                *tokens.entry(e as u32).or_default() += 1;
+                experts.insert(e as u32);
             }
         }
     }
     let before = pager.layout().layers.range(..layer).next_back().map_or(layer, |(&l, _)| l);
-    if before == layer {
-        pager.first_layer_routed(&tokens.iter().map(|(&e, &n)| (e, n)).collect::<Vec<_>>());
-    }
-    let experts: Vec<u32> = tokens.into_keys().collect();
+    let experts: Vec<u32> = experts.into_iter().collect();
     pager.group_routes(layer, (before != layer).then_some(before), &experts);
     pager.read_ahead(layer, &experts, before);
 }
@@ -596,13 +593,6 @@ unsafe fn join(
             let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
             if ids.ne[1] > 1 {
                 runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
-            }
-            // A prompt ubatch's choice at the first paged layer drops the
-            // guesses it did not make (a group's ubatch told the pager as
-            // soon as its routing was known: `read_ahead`).
-            if ids.ne[1] > DECODE_MAX_TOKENS && pager.layout().layers.keys().next() == Some(&layer) && !pager.group_knows(layer) {
-                let tokens: Vec<(u32, u64)> = by_expert.iter().map(|(&e, u)| (e as u32, (u.len() / 2) as u64)).collect();
-                pager.first_layer_routed(&tokens);
             }
             let deferred: HashSet<u32> = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
             // In a prompt group, what the later ubatches need at this layer

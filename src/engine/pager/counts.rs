@@ -19,11 +19,6 @@ pub struct LayerCounts {
     pub prefetch_late: u64,
     /// Prefetched experts evicted before any batch used them.
     pub prefetch_wasted: u64,
-    /// Experts `read_before_routing` guessed (started reading before the
-    /// router chose), and those of them dropped while still queued because
-    /// the router chose otherwise.
-    pub guessed: u64,
-    pub guesses_dropped: u64,
     /// Experts `preload` started reading (not counted in `prefetched`; a
     /// use that finds one counts in `prefetch_used`).
     pub preloaded: u64,

@@ -40,7 +40,7 @@ mod warm;
 
 pub use counts::{LayerCounts, PagerCounts, PagerTotals};
 pub use policy_kind::PolicyKind;
-use readers::{Ahead, Lane, Queue, WARM_READERS};
+use readers::{Lane, Queue, WARM_READERS};
 
 use crate::engine::ffi::ggml::WeightLayout;
 use crate::error::{Error, Result};
@@ -102,9 +102,6 @@ struct Slot {
     /// that waits for it moves its read ahead, but it is not a prefetch the
     /// gate judges decode predictions by.
     prompt_ahead: bool,
-    /// Read before the router chose (`read_before_routing`): dropped while
-    /// its read is still queued if the router does not choose it.
-    guessed: bool,
     /// Read by `prepare` for a batch that has not pinned it yet: another
     /// acquire evicts it only when nothing else is free, since the batch
     /// would then read it again.
@@ -149,9 +146,6 @@ struct State {
     /// What a prompt group's ubatches still need, by layer (see
     /// `group_routes`); emptied when the group ends.
     group_routes: routes::GroupRoutes,
-    /// Tokens routed to each expert of the first paged layer by the
-    /// prompts so far: the order `read_before_routing` guesses in.
-    first_layer_tokens: Vec<u64>,
 }
 
 /// A failed read of an expert, kept for the acquire that waits for it.
@@ -315,7 +309,6 @@ impl Pager {
             filled: vec![0; slots.len()],
             gate: gate::PrefetchGate::default(),
             group_routes: routes::GroupRoutes::default(),
-            first_layer_tokens: Vec::new(),
         };
         let shared = Arc::new(Shared {
             layout,

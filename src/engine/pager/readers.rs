@@ -14,19 +14,6 @@ pub(super) enum Lane {
     Spare,
 }
 
-/// What a read ahead is for.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum Ahead {
-    /// A decode step's prediction: counted as prefetched, and the gate
-    /// judges predictions by how many are used.
-    Prefetch,
-    /// A prompt's routing or its union of predictions, nearly certain to be
-    /// used: a batch that waits for it moves its read ahead.
-    Prompt,
-    /// As `Prompt`, guessed before the router chose (`read_before_routing`).
-    Guess,
-}
-
 /// Readers that may read a warm start's experts at once.
 pub(super) const WARM_READERS: usize = 2;
 
@@ -105,7 +92,6 @@ impl Shared {
             keep_pin,
             prefetched: false,
             prompt_ahead: false,
-            guessed: false,
             awaiting: false,
             retired: false,
         };
@@ -113,39 +99,18 @@ impl Shared {
     }
 
     /// Starts reading `expert` into `slot`, a victim chosen for a read
-    /// ahead of `kind`.
-    pub(super) fn start_ahead(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, kind: Ahead) -> Vec<Job> {
+    /// ahead: a prompt's (`prompt_ahead`: promoted when a batch waits for
+    /// it, not judged as a prefetch) or a decode's prefetch, counted.
+    pub(super) fn start_ahead(&self, st: &mut State, slot: SlotId, ll: &LayerLayout, expert: u32, for_prompt: bool) -> Vec<Job> {
         let evicted = st.res.fill(slot, ExpertKey::new(ll.layer, expert));
         let jobs = self.start_load(st, slot, ll, expert, evicted, false);
-        match kind {
-            Ahead::Prefetch => {
-                st.slots[slot].prefetched = true;
-                st.counts.get_mut(&ll.layer).expect("layer counted").prefetched += 1;
-            }
-            Ahead::Prompt => st.slots[slot].prompt_ahead = true,
-            Ahead::Guess => {
-                st.slots[slot].prompt_ahead = true;
-                st.slots[slot].guessed = true;
-                st.counts.get_mut(&ll.layer).expect("layer counted").guessed += 1;
-            }
+        if for_prompt {
+            st.slots[slot].prompt_ahead = true;
+        } else {
+            st.slots[slot].prefetched = true;
+            st.counts.get_mut(&ll.layer).expect("layer counted").prefetched += 1;
         }
         jobs
-    }
-
-    /// Drops the read of `slot` if none of its parts has left the queue:
-    /// the slot is empty again. False if a reader has one (it completes).
-    pub(super) fn cancel_queued(&self, st: &mut State, slot: SlotId) -> bool {
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        let queued = q.spare.iter().filter(|j| j.slot == slot).count();
-        if queued == 0 || queued != st.slots[slot].parts_left as usize {
-            return false;
-        }
-        q.spare.retain(|j| j.slot != slot);
-        drop(q);
-        st.res.clear(slot);
-        st.slots[slot] = Slot { retired: st.slots[slot].retired, ..Slot::default() };
-        self.settle(st, slot);
-        true
     }
 
     pub(super) fn submit(&self, jobs: Vec<Job>, lane: Lane) {

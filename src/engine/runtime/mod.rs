@@ -674,15 +674,6 @@ impl Runtime {
         self.groups.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A prompt's ubatch or group of `n_tokens` is about to compute: the
-    /// first paged layer's likely experts are read while the layers before
-    /// it compute (`Pager::read_before_routing`).
-    pub fn read_before_routing(&self, n_tokens: u64) {
-        if let Some((pager, plan)) = self.pager.get() {
-            pager.read_before_routing(n_tokens, plan.top_k);
-        }
-    }
-
     /// A decode's next ubatch starts at position `pos0` of its sequence.
     pub fn on_ubatch(&self, pos0: i32) {
         self.ubatches.fetch_add(1, Ordering::Relaxed);

@@ -265,8 +265,6 @@ impl Runtime {
                             "prefetch_late": n.prefetch_late,
                             "prefetch_wasted": n.prefetch_wasted,
                             "preloaded": n.preloaded,
-                            "guessed": n.guessed,
-                            "guesses_dropped": n.guesses_dropped,
                             "read_wait_seconds": n.waited_us as f64 / 1e6,
                         })
                     })
@@ -286,10 +284,6 @@ impl Runtime {
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
             o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
-            // A prompt's first paged layer read before its router chose
-            // (behind dense leading layers), and the guesses dropped unread.
-            o.insert("guessed".into(), json!(sum(|l| l.guessed)));
-            o.insert("guesses_dropped".into(), json!(sum(|l| l.guesses_dropped)));
             // Thread-seconds the expert ops waited for reads: what the
             // reads added to the compute.
             o.insert("read_wait_seconds".into(), json!(sum(|l| l.waited_us) as f64 / 1e6));
