@@ -31,7 +31,7 @@ Usage: scripts/bench-prompt.py --model M [--budgets 6,8] [--read-rates 600,200] 
                             [--runs 1] [--tokens 8] [--ctx 8448]
                             [--compute-stock | --compute-cuts A,B --depth N [--compute-budget 18] | --compute-json F]
                             [--ways before,grouped,whole] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
-       scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME   (the table and plot again)
+       scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME [--compute-json J]   (the table and plot again)
 """
 import argparse
 import datetime
@@ -157,7 +157,9 @@ def derive(row, compute, faster):
     """The medians of a row's runs, its bound and ratio. The resident compute
     measured for N tokens is scaled to the prompt's own token count."""
     ok = [r for r in row["runs"] if r["exit_code"] == 0 and r["prompt_ms"]]
-    if not ok:
+    # A prompt whose compute is not measured yet (`--from-json` with
+    # `--compute-json` derives it later) keeps its runs alone.
+    if not ok or str(row["prompt"]) not in compute:
         return row
     med = lambda k: statistics.median(r[k] for r in ok)  # noqa: E731
     n, rate = row["prompt"], row["read_rate_mibs"]
@@ -206,6 +208,10 @@ def main():
     a = ap.parse_args()
     if a.from_json:
         res = json.load(open(a.from_json))
+        # A compute measured after the runs (the cuts of a model that did not
+        # fit on the disk beside it) replaces the one they were run with.
+        if a.compute_json:
+            res["compute_seconds"] = json.load(open(a.compute_json))
         compute = res["compute_seconds"]
         res["rows"] = [derive(r, compute, res["faster"]) for r in res["rows"]]
         json.dump(res, open(os.path.join(a.out, f"{a.name}.json"), "w"), indent=1)
@@ -287,7 +293,9 @@ def write_md(res, path):
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         if "seconds" not in r:
-            lines.append(f"| {r['budget_gib']:g} GiB | {r['read_rate_mibs']:g} MiB/s | {r['prompt']} | {r['way']} | failed | | | | | | | |")
+            ok = [x for x in r["runs"] if x["exit_code"] == 0 and x["prompt_ms"]]
+            what = f"{ok[0]['prompt_ms'] / 1000:.1f} (no compute yet)" if ok else "failed"
+            lines.append(f"| {r['budget_gib']:g} GiB | {r['read_rate_mibs']:g} MiB/s | {r['prompt']} | {r['way']} | {what} | | | | | | | |")
             continue
         lines.append(f"| {r['budget_gib']:g} GiB | {r['read_rate_mibs']:g} MiB/s | {r['tokens']} | {r['way']} | {r['seconds']:.1f} | "
                      f"{r['read_mib']:.0f} | {r['touched_mib']:.0f} | {r['bound_seconds']:.1f} ({r['reads_seconds']:.1f}, {r['compute_seconds']:.1f}) | "
