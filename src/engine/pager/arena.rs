@@ -4,6 +4,8 @@
 
 use std::io;
 use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
 
 /// Slots start on page boundaries (room for O_DIRECT reads later, and an
 /// expert never shares a page with another).
@@ -164,6 +166,8 @@ pub struct Arena {
     backing: Backing,
     /// Why the arena has other pages than it was asked for.
     fallback: Option<String>,
+    /// The huge-page bytes last read from /proc/self/smaps, and when.
+    huge_seen: Mutex<Option<(Instant, u64)>>,
 }
 
 // SAFETY: the arena hands out slot memory only through `slot`/`slot_mut`,
@@ -233,7 +237,7 @@ impl Arena {
                 return Err(io::Error::last_os_error());
             }
             let base = NonNull::new(p.cast::<u8>()).ok_or_else(|| io::Error::other("mmap returned NULL"))?;
-            return Ok(Arena { base, len, used: len, classes: out, backing, fallback: None });
+            return Ok(Arena { base, len, used: len, classes: out, backing, fallback: None, huge_seen: Mutex::new(None) });
         }
         let huge = backing == Backing::TransparentHuge;
         let (len, align) = if huge { (huge_len(bytes), HUGE_PAGE) } else { (bytes.max(SLOT_ALIGN), SLOT_ALIGN) };
@@ -272,7 +276,7 @@ impl Arena {
                 backing = Backing::Small;
             }
         }
-        Ok(Arena { base, len, used: bytes, classes: out, backing, fallback })
+        Ok(Arena { base, len, used: bytes, classes: out, backing, fallback, huge_seen: Mutex::new(None) })
     }
 
     /// The pages behind the arena.
@@ -288,15 +292,18 @@ impl Arena {
     /// What of the arena the kernel holds now: bytes backed by memory of
     /// any page size, from `mincore` over the mapping, and bytes in huge
     /// pages (`AnonHugePages` and `Private_Hugetlb` of its entries in
-    /// /proc/self/smaps, read once: the kernel walks every mapping's page
-    /// tables to write that file); None if either is unreadable.
+    /// /proc/self/smaps); None if either is unreadable. To write smaps the
+    /// kernel walks every mapping's page tables, which took 2 % of the two
+    /// cores during a far-past-RAM prompt when the stats file's snapshot
+    /// (each second) read it: a huge-page figure read less than `huge_within`
+    /// ago is given again instead.
     ///
     /// Not `Rss` from smaps: the kernel merges the arena's small-page part
     /// with an adjacent mapping of the same flags (glibc maps a thread's
     /// malloc heap MAP_NORESERVE, as the arena is), and that entry's `Rss`
     /// then counts the neighbour's pages too (CI saw 564 KiB "held" by an
     /// arena given back whole).
-    pub fn pages_held(&self) -> Option<PagesHeld> {
+    pub fn pages_held(&self, huge_within: Duration) -> Option<PagesHeld> {
         // SAFETY: sysconf has no preconditions.
         let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
         let mut core = vec![0u8; self.len.div_ceil(page)];
@@ -306,6 +313,12 @@ impl Arena {
             return None;
         }
         let resident = core.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64;
+        let mut seen = self.huge_seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some((at, huge)) = *seen {
+            if at.elapsed() < huge_within {
+                return Some(PagesHeld { resident, huge: huge.min(resident) });
+            }
+        }
         let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
         let (lo, hi) = (self.base.as_ptr() as usize, self.base.as_ptr() as usize + self.len);
         // The bytes of the current entry inside the arena (0: outside).
@@ -331,6 +344,7 @@ impl Arena {
                 huge += bytes.min(overlap);
             }
         }
+        *seen = Some((Instant::now(), huge));
         Some(PagesHeld { resident, huge: huge.min(resident) })
     }
 
@@ -570,7 +584,7 @@ mod tests {
         if matches!(thp_mode().as_deref(), Some("always" | "madvise")) {
             assert_eq!(a.backing(), &Backing::TransparentHuge);
         }
-        assert!(a.pages_held().is_some());
+        assert!(a.pages_held(Duration::ZERO).is_some());
     }
 
     #[test]
@@ -625,11 +639,11 @@ mod tests {
         // end; the arena's slots are used by nothing else in this test.
         unsafe {
             std::ptr::write_bytes(next.cast::<u8>(), 1, 1 << 20);
-            assert_eq!(a.pages_held().unwrap().resident, 0, "an untouched arena holds nothing");
+            assert_eq!(a.pages_held(Duration::ZERO).unwrap().resident, 0, "an untouched arena holds nothing");
             a.slot_mut(1).fill(3);
-            assert_eq!(a.pages_held().unwrap().resident, 64 << 10);
+            assert_eq!(a.pages_held(Duration::ZERO).unwrap().resident, 64 << 10);
             a.discard(0..4).unwrap();
-            assert_eq!(a.pages_held().unwrap().resident, 0, "a discarded arena holds nothing");
+            assert_eq!(a.pages_held(Duration::ZERO).unwrap().resident, 0, "a discarded arena holds nothing");
             libc::munmap(next, 1 << 20);
         }
     }

@@ -359,10 +359,10 @@ impl Pager {
         self.shared.arena.fallback()
     }
 
-    /// What of the arena is backed by memory now, and in huge pages (None
-    /// if unreadable).
-    pub fn arena_pages_held(&self) -> Option<arena::PagesHeld> {
-        self.shared.arena.pages_held()
+    /// What of the arena is backed by memory now, and in huge pages, the
+    /// latter as read at most `huge_within` ago (None if unreadable).
+    pub fn arena_pages_held(&self, huge_within: std::time::Duration) -> Option<arena::PagesHeld> {
+        self.shared.arena.pages_held(huge_within)
     }
 
     /// Bytes of the slots that have held an expert so far: each class's
@@ -658,7 +658,7 @@ impl Pager {
     /// again: the next model gets a pager of its own.
     pub fn retire(&self) -> u64 {
         self.stop_readers();
-        let held = self.arena_pages_held().map_or(0, |p| p.resident);
+        let held = self.arena_pages_held(std::time::Duration::MAX).map_or(0, |p| p.resident);
         let st = self.shared.lock();
         for class in self.shared.arena.classes() {
             // SAFETY: no model is left, so no graph computes with these

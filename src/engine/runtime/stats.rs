@@ -9,6 +9,11 @@ use crate::units::{human, MIB};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
+use std::time::Duration;
+
+/// How old the arena's huge-page figure may be in a snapshot or a /metrics
+/// scrape: reading it walks every mapping's page tables.
+const SNAPSHOT_HUGE_AGE: Duration = Duration::from_secs(15);
 
 impl Runtime {
     /// Writes the stats file (if asked for) and, with `summary`, the summary
@@ -69,7 +74,7 @@ impl Runtime {
         if !last && self.finished.load(Ordering::SeqCst) {
             return; // the final figures are (being) written: never overwrite them
         }
-        let mut stats = self.stats_json();
+        let mut stats = self.stats_json(last);
         stats["final"] = serde_json::Value::Bool(last);
         let text = serde_json::to_string_pretty(&stats).expect("stats serialize") + "\n";
         let regular = std::fs::metadata(path).map(|m| m.is_file()).unwrap_or(true);
@@ -149,10 +154,13 @@ impl Runtime {
             let (tokens, read, touched) = self.lock_phases().prompt_so_far(self.pager_totals());
             return metrics::prompt_so_far(tokens, read, touched);
         }
-        metrics::render(report, &self.stats_json())
+        metrics::render(report, &self.stats_json(false))
     }
 
-    pub(super) fn stats_json(&self) -> serde_json::Value {
+    /// The stats file's figures; `last` for the final ones, which read
+    /// everything anew (a snapshot or a /metrics scrape may give figures
+    /// that are costly to read as they were up to `SNAPSHOT_HUGE_AGE` ago).
+    pub(super) fn stats_json(&self, last: bool) -> serde_json::Value {
         use serde_json::json;
         let (files, models) = {
             let r = self.lock_registry();
@@ -205,7 +213,7 @@ impl Runtime {
             // Which pages the arena got: the kind it asked for, and how much
             // of it the kernel holds in huge pages now.
             o.insert("arena_pages".into(), json!(pager.arena_backing().name()));
-            let held = pager.arena_pages_held();
+            let held = pager.arena_pages_held(if last { Duration::ZERO } else { SNAPSHOT_HUGE_AGE });
             o.insert("arena_huge_bytes".into(), json!(held.map(|h| h.huge)));
             o.insert("arena_resident_bytes".into(), json!(held.map(|h| h.resident)));
             o.insert("arena_filled_bytes".into(), json!(pager.arena_filled_bytes()));
