@@ -153,10 +153,15 @@ def paged_layers(model):
     return len(json.loads(out.stdout)["layers"])
 
 
+def completed(row):
+    """The runs of a row that gave a prompt time."""
+    return [r for r in row["runs"] if r["exit_code"] == 0 and r["prompt_ms"]]
+
+
 def derive(row, compute, faster):
     """The medians of a row's runs, its bound and ratio. The resident compute
     measured for N tokens is scaled to the prompt's own token count."""
-    ok = [r for r in row["runs"] if r["exit_code"] == 0 and r["prompt_ms"]]
+    ok = completed(row)
     # A prompt whose compute is not measured yet (`--from-json` with
     # `--compute-json` derives it later) keeps its runs alone.
     if not ok or str(row["prompt"]) not in compute:
@@ -293,7 +298,7 @@ def write_md(res, path):
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in res["rows"]:
         if "seconds" not in r:
-            ok = [x for x in r["runs"] if x["exit_code"] == 0 and x["prompt_ms"]]
+            ok = completed(r)
             what = f"{ok[0]['prompt_ms'] / 1000:.1f} (no compute yet)" if ok else "failed"
             lines.append(f"| {r['budget_gib']:g} GiB | {r['read_rate_mibs']:g} MiB/s | {r['prompt']} | {r['way']} | {what} | | | | | | | |")
             continue

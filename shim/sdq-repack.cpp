@@ -99,23 +99,6 @@ void repack_q4_K_8x8_group(const block_q4_K * in, int64_t nblocks, block_q4_Kx8 
     }
 }
 
-// The same conversion as ggml's repack<block_q4_K, 8, 8>, in place is not
-// possible (a row group's output overwrites its later blocks' input), so
-// each group of 8 rows is copied aside first: 9 KiB for a 2048-wide expert.
-int repack_q4_K_8x8_fast(struct ggml_tensor * t, const void * data, size_t data_size) {
-    const int64_t nblocks = t->ne[0] / QK_K, nrow = t->ne[1];
-    if (t->type != GGML_TYPE_Q4_K || nrow % 8 != 0 || t->ne[0] % QK_K != 0 ||
-        data_size != (size_t) (nrow * nblocks) * sizeof(block_q4_K)) {
-        return -1;
-    }
-    const block_q4_K * src = (const block_q4_K *) data;
-    block_q4_Kx8 * dst = (block_q4_Kx8 *) t->data;
-    for (int64_t b = 0; b < nrow; b += 8) {
-        repack_q4_K_8x8_group(src + b * nblocks, nblocks, dst + (b / 8) * nblocks);
-    }
-    return 0;
-}
-
 // Q2_K rows, 8 at a time, into q2_K_8x8_q8_K, the layout of Q2_K experts
 // on x86 with AVX-512 (DeepSeek's Q2_K mixes). ggml's routine builds each
 // output block on the stack from a copy of its 8 input blocks and moves
@@ -143,16 +126,22 @@ void repack_q2_K_8x8_group(const block_q2_K * in, int64_t nblocks, block_q2_Kx8 
     }
 }
 
-int repack_q2_K_8x8_fast(struct ggml_tensor * t, const void * data, size_t data_size) {
+// sdq's conversion of a K-quant weight of `TYPE` into its 8x8 layout,
+// one group of 8 rows at a time (`GROUP`); -1 for a weight that is not
+// whole groups of whole blocks of `TYPE`. `data` must not be `t->data`: a row
+// group's output overwrites its later blocks' input (sdq_repack_expert
+// gives a scratch copy of the rows).
+template <typename In, typename Out, ggml_type TYPE, void (*GROUP)(const In *, int64_t, Out *)>
+int repack_K_8x8_fast(struct ggml_tensor * t, const void * data, size_t data_size) {
     const int64_t nblocks = t->ne[0] / QK_K, nrow = t->ne[1];
-    if (t->type != GGML_TYPE_Q2_K || nrow % 8 != 0 || t->ne[0] % QK_K != 0 ||
-        data_size != (size_t) (nrow * nblocks) * sizeof(block_q2_K)) {
+    if (t->type != TYPE || nrow % 8 != 0 || t->ne[0] % QK_K != 0 ||
+        data_size != (size_t) (nrow * nblocks) * sizeof(In)) {
         return -1;
     }
-    const block_q2_K * src = (const block_q2_K *) data;
-    block_q2_Kx8 * dst = (block_q2_Kx8 *) t->data;
+    const In * src = (const In *) data;
+    Out * dst = (Out *) t->data;
     for (int64_t b = 0; b < nrow; b += 8) {
-        repack_q2_K_8x8_group(src + b * nblocks, nblocks, dst + (b / 8) * nblocks);
+        GROUP(src + b * nblocks, nblocks, dst + (b / 8) * nblocks);
     }
     return 0;
 }
@@ -181,13 +170,13 @@ const Kernel KERNELS[] = {
     SDQ_KERNEL("q4_0_8x8_q8_0", block_q4_0, GGML_TYPE_Q4_0, 8, 8, GGML_TYPE_Q8_0),
     SDQ_KERNEL("q4_K_8x4_q8_K", block_q4_K, GGML_TYPE_Q4_K, 4, 8, GGML_TYPE_Q8_K),
     { "q4_K_8x8_q8_K", GGML_TYPE_Q4_K, 8, GGML_TYPE_Q8_K, &ggml::cpu::repack::repack<block_q4_K, 8, 8>,
-      &ggml::cpu::repack::gemv<block_q4_K, 8, 8, GGML_TYPE_Q8_K>, &repack_q4_K_8x8_fast },
+      &ggml::cpu::repack::gemv<block_q4_K, 8, 8, GGML_TYPE_Q8_K>, &repack_K_8x8_fast<block_q4_K, block_q4_Kx8, GGML_TYPE_Q4_K, repack_q4_K_8x8_group> },
     SDQ_KERNEL("q5_K_8x4_q8_K", block_q5_K, GGML_TYPE_Q5_K, 4, 8, GGML_TYPE_Q8_K),
     SDQ_KERNEL("q5_K_8x8_q8_K", block_q5_K, GGML_TYPE_Q5_K, 8, 8, GGML_TYPE_Q8_K),
     SDQ_KERNEL("q6_K_8x4_q8_K", block_q6_K, GGML_TYPE_Q6_K, 4, 8, GGML_TYPE_Q8_K),
     SDQ_KERNEL("q6_K_8x8_q8_K", block_q6_K, GGML_TYPE_Q6_K, 8, 8, GGML_TYPE_Q8_K),
     { "q2_K_8x8_q8_K", GGML_TYPE_Q2_K, 8, GGML_TYPE_Q8_K, &ggml::cpu::repack::repack<block_q2_K, 8, 8>,
-      &ggml::cpu::repack::gemv<block_q2_K, 8, 8, GGML_TYPE_Q8_K>, &repack_q2_K_8x8_fast },
+      &ggml::cpu::repack::gemv<block_q2_K, 8, 8, GGML_TYPE_Q8_K>, &repack_K_8x8_fast<block_q2_K, block_q2_Kx8, GGML_TYPE_Q2_K, repack_q2_K_8x8_group> },
     SDQ_KERNEL("iq4_nl_4x4_q8_0", block_iq4_nl, GGML_TYPE_IQ4_NL, 4, 4, GGML_TYPE_Q8_0),
     SDQ_KERNEL("iq4_nl_8x8_q8_0", block_iq4_nl, GGML_TYPE_IQ4_NL, 8, 8, GGML_TYPE_Q8_0),
     SDQ_KERNEL("mxfp4_4x4_q8_0", block_mxfp4, GGML_TYPE_MXFP4, 4, 4, GGML_TYPE_Q8_0),
