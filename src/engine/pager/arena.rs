@@ -289,8 +289,22 @@ impl Arena {
         self.fallback.as_deref()
     }
 
+    /// Bytes of the arena backed by memory of any page size now, from
+    /// `mincore` over the mapping (cheap: no smaps walk); None if it fails.
+    pub fn resident_bytes(&self) -> Option<u64> {
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
+        let mut core = vec![0u8; self.len.div_ceil(page)];
+        // SAFETY: base..base+len is the live mapping (page-aligned), and
+        // `core` has one byte for each of its pages, as mincore writes.
+        if unsafe { libc::mincore(self.base.as_ptr().cast(), self.len, core.as_mut_ptr()) } != 0 {
+            return None;
+        }
+        Some(core.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64)
+    }
+
     /// What of the arena the kernel holds now: bytes backed by memory of
-    /// any page size, from `mincore` over the mapping, and bytes in huge
+    /// any page size (`resident_bytes`), and bytes in huge
     /// pages (`AnonHugePages` and `Private_Hugetlb` of its entries in
     /// /proc/self/smaps); None if either is unreadable. To write smaps the
     /// kernel walks every mapping's page tables, which took 2 % of the two
@@ -304,15 +318,7 @@ impl Arena {
     /// then counts the neighbour's pages too (CI saw 564 KiB "held" by an
     /// arena given back whole).
     pub fn pages_held(&self, huge_within: Duration) -> Option<PagesHeld> {
-        // SAFETY: sysconf has no preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).ok().filter(|&p| p > 0)?;
-        let mut core = vec![0u8; self.len.div_ceil(page)];
-        // SAFETY: base..base+len is the live mapping (page-aligned), and
-        // `core` has one byte for each of its pages, as mincore writes.
-        if unsafe { libc::mincore(self.base.as_ptr().cast(), self.len, core.as_mut_ptr()) } != 0 {
-            return None;
-        }
-        let resident = core.iter().filter(|&&b| b & 1 != 0).count() as u64 * page as u64;
+        let resident = self.resident_bytes()?;
         let mut seen = self.huge_seen.lock().unwrap_or_else(|p| p.into_inner());
         if let Some((at, huge)) = *seen {
             if at.elapsed() < huge_within {

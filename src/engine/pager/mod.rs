@@ -658,7 +658,7 @@ impl Pager {
     /// again: the next model gets a pager of its own.
     pub fn retire(&self) -> u64 {
         self.stop_readers();
-        let held = self.arena_pages_held(std::time::Duration::MAX).map_or(0, |p| p.resident);
+        let held = self.shared.arena.resident_bytes().unwrap_or(0);
         let st = self.shared.lock();
         for class in self.shared.arena.classes() {
             // SAFETY: no model is left, so no graph computes with these
