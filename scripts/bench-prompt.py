@@ -119,7 +119,7 @@ def cut_compute(cut, prompts, budget):
     cache warmed first. Where the budget holds the whole model the pager
     preloads every expert in the background once the first batch has run,
     and its reads and conversions take the same two cores: the second
-    pp512 of a 1-layer cut ran 13-14 s against 9.3-9.6 s once the preload
+    pp512 of a 1-layer cut ran 12.6-14.0 s against 9.3-9.6 s once the preload
     was done. So 512 tokens are measured three times and the fastest is
     kept (the preload only adds time), and the other prompts come after
     them (llama-bench keeps the model, and so the arena, across its tests)."""
