@@ -2,7 +2,17 @@
 //! will need, read at low priority into slots nobody is about to use, so
 //! that they arrive while the layer before computes.
 
-use super::{ExpertKey, Lane, Pager, SlotId, State};
+use super::readers::Job;
+use super::{ExpertKey, Lane, Pager, Shared, SlotId, State};
+
+/// A prompt's read ahead of `layer` (while `current` computes) that found
+/// no spare slot for `experts`: continued, best first, as slots are released.
+#[derive(Debug)]
+pub(super) struct AheadRest {
+    pub(super) layer: u32,
+    pub(super) current: u32,
+    pub(super) experts: Vec<u32>,
+}
 
 impl Pager {
     /// Starts reading the experts of `layer` in `experts` (best first) that
@@ -62,14 +72,35 @@ impl Pager {
 
     fn read_spare(&self, layer: u32, experts: &[u32], current: u32, for_prompt: bool) {
         let sh = &*self.shared;
-        let Some(ll) = sh.layout.layers.get(&layer) else { return };
-        let mut jobs = Vec::new();
         let mut st = sh.lock();
-        let class = st.usable(&sh.arena, ll.class);
+        let (jobs, started) = sh.spare_reads(&mut st, layer, experts, current, for_prompt);
+        // A prompt's experts are nearly certain to be used: the rest are
+        // read as the batch computing now releases its slots. A decode's
+        // prediction is read only as far as spare slots go.
+        if for_prompt && started < experts.len() {
+            st.ahead_rest.retain(|r| r.layer != layer);
+            st.ahead_rest.push(AheadRest { layer, current, experts: experts[started..].to_vec() });
+        }
+        drop(st);
+        sh.submit(jobs, Lane::Spare);
+    }
+}
+
+impl Shared {
+    /// Starts reading the experts of `layer` in `experts` that are not in
+    /// the arena into spare slots (see `Pager::prefetch`), in order, until
+    /// one finds none. Returns the jobs and how many of `experts` it got
+    /// through.
+    fn spare_reads(&self, st: &mut State, layer: u32, experts: &[u32], current: u32, for_prompt: bool) -> (Vec<Job>, usize) {
+        let Some(ll) = self.layout.layers.get(&layer) else { return (Vec::new(), experts.len()) };
+        let mut jobs = Vec::new();
+        let class = st.usable(&self.arena, ll.class);
         // Not `layer`'s experts, nor `current`'s that the prompt group's
-        // ubatches are still to use (all of them outside a group).
+        // ubatches are still to use (all of them outside a group), nor one a
+        // batch has yet to pin.
         let spare = |s: SlotId, st: &State| {
             st.slots[s].pins == 0
+                && !st.slots[s].awaiting
                 && match st.res.key(s) {
                     Some(k) if k.layer == layer => false,
                     Some(k) if k.layer == current => st.group_routes.knows(current) && !st.group_routes.needed(current, k.expert),
@@ -80,24 +111,59 @@ impl Pager {
         // not read yet are left to them: a read ahead taking the last
         // spare slots would have them evict this layer's experts (or the
         // ones read ahead), and read them again.
-        let owed = match sh.layout.layers.get(&current) {
+        let owed = match self.layout.layers.get(&current) {
             Some(cl) if cl.class == ll.class => st.group_routes.still_needed(current).filter(|&e| st.res.slot_of(ExpertKey::new(current, e)).is_none()).count(),
             _ => 0,
         };
-        let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, &st)).count().saturating_sub(owed) };
-        for &e in experts.iter().filter(|&&e| e < ll.n_expert) {
-            if st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
+        let mut room = if owed == 0 { usize::MAX } else { class.clone().filter(|&s| spare(s, st)).count().saturating_sub(owed) };
+        for (i, &e) in experts.iter().enumerate() {
+            if e >= ll.n_expert || st.res.slot_of(ExpertKey::new(layer, e)).is_some() {
                 continue;
             }
-            if room == 0 {
+            let victim = if room == 0 { None } else { st.res.victim(layer, class.clone(), &|s| spare(s, st)) };
+            let Some(slot) = victim else { return (jobs, i) };
+            room -= 1;
+            jobs.extend(self.start_ahead(st, slot, ll, e, for_prompt));
+        }
+        (jobs, experts.len())
+    }
+
+    /// A slot was released: starts the reads it makes room for. First the
+    /// misses of the batch being computed that `prepare` found no slot for
+    /// (`State::pending`), into a slot the batch is done with and no later
+    /// ubatch of its group needs (else its acquire reads it, as before);
+    /// then a prompt's reads ahead of the next layer
+    /// (`State::ahead_rest`), into spare slots. So the disk reads while the
+    /// batch computes, rather than while a thread waits for the expert it
+    /// came to. Returns the demand and the spare jobs.
+    pub(super) fn refill(&self, st: &mut State) -> (Vec<Job>, Vec<Job>) {
+        let mut demand = Vec::new();
+        while let Some(&key) = st.pending.front() {
+            if st.res.slot_of(key).is_some() {
+                // Read already, or being read (its acquire came first).
+                st.pending.pop_front();
+                continue;
+            }
+            let ll = &self.layout.layers[&key.layer];
+            let class = st.usable(&self.arena, ll.class);
+            let Some(victim) = st.spare_victim(key.layer, class) else {
+                return (demand, Vec::new());
+            };
+            st.pending.pop_front();
+            let evicted = st.res.fill(victim, key);
+            st.res.used(victim);
+            demand.extend(self.start_load(st, victim, ll, key.expert, evicted, false));
+            st.slots[victim].awaiting = true;
+        }
+        let mut spare = Vec::new();
+        while let Some(rest) = st.ahead_rest.pop() {
+            let (jobs, started) = self.spare_reads(st, rest.layer, &rest.experts, rest.current, true);
+            spare.extend(jobs);
+            if started < rest.experts.len() {
+                st.ahead_rest.push(AheadRest { experts: rest.experts[started..].to_vec(), ..rest });
                 break;
             }
-            room -= 1;
-            let victim = st.res.victim(layer, class.clone(), &|s| spare(s, &st));
-            let Some(slot) = victim else { break };
-            jobs.extend(sh.start_ahead(&mut st, slot, ll, e, for_prompt));
         }
-        drop(st);
-        sh.submit(jobs, Lane::Spare);
+        (demand, spare)
     }
 }

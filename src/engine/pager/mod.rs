@@ -146,6 +146,13 @@ struct State {
     /// What a prompt group's ubatches still need, by layer (see
     /// `group_routes`); emptied when the group ends.
     group_routes: routes::GroupRoutes,
+    /// The misses of the batch `prepare` started that found no slot, in
+    /// the order its threads take them: each is read as soon as a slot is
+    /// released (`Shared::refill`), not when a thread comes to it.
+    pending: VecDeque<ExpertKey>,
+    /// Prompt reads ahead that found no spare slot: continued as slots are
+    /// released, once `pending` is empty (see `ahead`).
+    ahead_rest: Vec<ahead::AheadRest>,
 }
 
 /// A failed read of an expert, kept for the acquire that waits for it.
@@ -162,6 +169,24 @@ impl State {
     fn usable(&self, arena: &Arena, class: usize) -> std::ops::Range<SlotId> {
         let first = arena.classes()[class].first;
         first..first + self.in_use[class]
+    }
+
+    /// The slot in `class` to read a batch's miss of `layer` into: one the
+    /// batch is done with (unpinned, not awaited), preferably holding what
+    /// no later ubatch of a prompt group routes to at this layer, which it
+    /// would read again. (The policy alone evicts the first experts the
+    /// batch is done with, which are often the ones it shares with the
+    /// group's next ubatch.)
+    fn demand_victim(&self, layer: u32, class: std::ops::Range<SlotId>) -> Option<SlotId> {
+        self.spare_victim(layer, class.clone()).or_else(|| self.res.victim(layer, class, &|s| self.slots[s].pins == 0 && !self.slots[s].awaiting))
+    }
+
+    /// As `demand_victim`, but only a slot no later ubatch needs: what a
+    /// miss read before the batch comes to it may take (`Shared::refill`).
+    fn spare_victim(&self, layer: u32, class: std::ops::Range<SlotId>) -> Option<SlotId> {
+        let free = |s: SlotId| self.slots[s].pins == 0 && !self.slots[s].awaiting;
+        let needed = |s: SlotId| self.res.key(s).is_some_and(|k| self.group_routes.needed_later(k.layer, k.expert));
+        self.res.victim(layer, class, &|s| free(s) && !needed(s))
     }
 }
 
@@ -309,6 +334,8 @@ impl Pager {
             filled: vec![0; slots.len()],
             gate: gate::PrefetchGate::default(),
             group_routes: routes::GroupRoutes::default(),
+            pending: VecDeque::new(),
+            ahead_rest: Vec::new(),
         };
         let shared = Arc::new(Shared {
             layout,
@@ -418,7 +445,9 @@ impl Pager {
     /// Starts a batch's use of `experts` of `layer` (the router's choice):
     /// counts each as a hit or a miss, and submits every miss to the readers
     /// at once, into slots that hold none of the batch's experts. Returns the
-    /// misses it found no slot for: their acquire reads them (`Count::Nothing`).
+    /// misses it found no slot for (counted here, so their acquire counts
+    /// `Count::Nothing`): each is read as soon as a slot is released, or by
+    /// its acquire if that comes first.
     pub fn prepare(&self, layer: u32, experts: &[u32]) -> Result<Vec<u32>> {
         let sh = &*self.shared;
         for &e in experts {
@@ -427,6 +456,16 @@ impl Pager {
         let ll = &sh.layout.layers[&layer];
         let mut jobs = Vec::new();
         let mut st = sh.lock();
+        // One batch's experts are awaited at a time: what an earlier batch
+        // left (it failed before pinning them all) is nobody's now, and
+        // neither are its misses still to read, nor reads ahead of a layer
+        // every ubatch is past.
+        for s in &mut st.slots {
+            s.awaiting = false;
+        }
+        st.pending.clear();
+        st.ahead_rest.retain(|r| r.layer > layer);
+        st.group_routes.batch_starts(layer);
         let class = st.usable(&sh.arena, ll.class);
         let admission = {
             let State { slots, res, .. } = &mut *st;
@@ -438,6 +477,9 @@ impl Pager {
         c.misses += (admission.fills.len() + admission.deferred.len()) as u64;
         for &(_, slot) in &admission.hits {
             let s = &mut st.slots[slot];
+            // The batch is still to use it: a read for one of its misses
+            // takes another slot first.
+            s.awaiting = true;
             if std::mem::take(&mut s.prompt_ahead) && !s.ready {
                 sh.promote(slot);
             }
@@ -464,6 +506,7 @@ impl Pager {
             let bytes = (jobs.len() / ll.parts.len()) as u64 * ll.expert_bytes as u64;
             st.batches.insert(id, (bytes, jobs.len() as u32, Instant::now()));
         }
+        st.pending.extend(admission.deferred.iter().map(|&e| ExpertKey::new(layer, e)));
         drop(st);
         sh.submit(jobs, Lane::Demand);
         Ok(admission.deferred)
@@ -493,6 +536,11 @@ impl Pager {
         let mut st = sh.lock();
         // Failures numbered up to here happened before this acquire.
         let seen = st.failures;
+        // Read here or found: not a pending miss any more (a later refill
+        // would read it again once the batch is done with it).
+        if let Some(i) = st.pending.iter().position(|&k| k == key) {
+            st.pending.remove(i);
+        }
         loop {
             // A read this acquire did not start (an earlier use's, a
             // prefetch, a preload, another thread's) failed: read it again
@@ -520,10 +568,7 @@ impl Pager {
             // A slot a batch is still waiting to use goes last: evicting it
             // means reading it again (a reread) within the same batch.
             let slots = &st.slots;
-            let victim = st
-                .res
-                .victim(layer, class.clone(), &|s| slots[s].pins == 0 && !slots[s].awaiting)
-                .or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
+            let victim = st.demand_victim(layer, class.clone()).or_else(|| st.res.victim(layer, class.clone(), &|s| slots[s].pins == 0));
             match victim {
                 Some(victim) => {
                     if count == Count::Later {

@@ -423,7 +423,10 @@ impl Shared {
         s.pins -= 1;
         let free = s.pins == 0;
         self.settle(&mut st, slot);
+        let (demand, spare) = if free { self.refill(&mut st) } else { Default::default() };
         drop(st);
+        self.submit(demand, Lane::Demand);
+        self.submit(spare, Lane::Spare);
         if free {
             self.changed.notify_all();
         }

@@ -6,7 +6,7 @@
 //! before L. So an expert of that layer that no later ubatch routes to can
 //! make room for reads ahead, while the layer's other ubatches compute.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 #[derive(Debug, Default)]
 pub struct GroupRoutes {
@@ -14,6 +14,11 @@ pub struct GroupRoutes {
     announced: HashMap<u32, Vec<Vec<u32>>>,
     /// By layer: how many of the group's ubatches still need each expert.
     owed: HashMap<u32, HashMap<u32, u32>>,
+    /// By layer: how many ubatches have started computing its experts.
+    started: HashMap<u32, usize>,
+    /// The layer being computed, and what the group's ubatches after the
+    /// one computing it route to there.
+    later: Option<(u32, HashSet<u32>)>,
 }
 
 impl GroupRoutes {
@@ -61,10 +66,34 @@ impl GroupRoutes {
         lists.iter().flatten().copied().filter(|&e| self.needed(layer, e) && seen.insert(e)).collect()
     }
 
+    /// The group's next ubatch starts computing `layer`'s experts (the
+    /// ubatches compute a layer in the order they announced it).
+    pub fn batch_starts(&mut self, layer: u32) {
+        // Outside a group (a decode step, a prompt of one ubatch) nothing is
+        // announced, and nothing counted.
+        let Some(lists) = self.announced.get(&layer) else {
+            self.later = None;
+            return;
+        };
+        let n = self.started.entry(layer).or_default();
+        let later = lists.iter().skip(*n + 1).flatten().copied().collect();
+        *n += 1;
+        self.later = Some((layer, later));
+    }
+
+    /// Whether a ubatch after the one computing `layer` routes to `expert`
+    /// there: reading a miss into its slot would have that ubatch read it
+    /// again.
+    pub fn needed_later(&self, layer: u32, expert: u32) -> bool {
+        self.later.as_ref().is_some_and(|(l, set)| *l == layer && set.contains(&expert))
+    }
+
     /// The group is computed.
     pub fn clear(&mut self) {
         self.announced.clear();
         self.owed.clear();
+        self.started.clear();
+        self.later = None;
     }
 }
 
@@ -88,6 +117,12 @@ mod tests {
         assert_eq!(r.still_needed_in_order(3), [2, 5]);
         assert_eq!(r.still_needed_in_order(4), [7]);
         r.announce(4, Some(3), &[8]);
+        // The first ubatch computes layer 4: the second's 8 is needed later,
+        // its own 7 not; then the second computes it, and none is.
+        r.batch_starts(4);
+        assert!(r.needed_later(4, 8) && !r.needed_later(4, 7) && !r.needed_later(3, 2));
+        r.batch_starts(4);
+        assert!(!r.needed_later(4, 8));
         assert_eq!(r.still_needed(3).count(), 0);
         assert!(r.needed(4, 7) && r.needed(4, 8));
         r.clear();
