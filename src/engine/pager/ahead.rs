@@ -99,8 +99,7 @@ impl Shared {
         // ubatches are still to use (all of them outside a group), nor one a
         // batch has yet to pin.
         let spare = |s: SlotId, st: &State| {
-            st.slots[s].pins == 0
-                && !st.slots[s].awaiting
+            st.unclaimed(s)
                 && match st.res.key(s) {
                     Some(k) if k.layer == layer => false,
                     Some(k) if k.layer == current => st.group_routes.knows(current) && !st.group_routes.needed(current, k.expert),

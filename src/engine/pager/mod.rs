@@ -178,15 +178,20 @@ impl State {
     /// batch is done with, which are often the ones it shares with the
     /// group's next ubatch.)
     fn demand_victim(&self, layer: u32, class: std::ops::Range<SlotId>) -> Option<SlotId> {
-        self.spare_victim(layer, class.clone()).or_else(|| self.res.victim(layer, class, &|s| self.slots[s].pins == 0 && !self.slots[s].awaiting))
+        self.spare_victim(layer, class.clone()).or_else(|| self.res.victim(layer, class, &|s| self.unclaimed(s)))
     }
 
     /// As `demand_victim`, but only a slot no later ubatch needs: what a
     /// miss read before the batch comes to it may take (`Shared::refill`).
     fn spare_victim(&self, layer: u32, class: std::ops::Range<SlotId>) -> Option<SlotId> {
-        let free = |s: SlotId| self.slots[s].pins == 0 && !self.slots[s].awaiting;
         let needed = |s: SlotId| self.res.key(s).is_some_and(|k| self.group_routes.needed_later(k.layer, k.expert));
-        self.res.victim(layer, class, &|s| free(s) && !needed(s))
+        self.res.victim(layer, class, &|s| self.unclaimed(s) && !needed(s))
+    }
+
+    /// Neither pinned (computed with, or being read) nor awaited by the
+    /// batch computing now.
+    fn unclaimed(&self, s: SlotId) -> bool {
+        self.slots[s].pins == 0 && !self.slots[s].awaiting
     }
 }
 
