@@ -169,8 +169,11 @@ struct sdq_hooks {
      * (their graphs and what they keep aside): true if another may be
      * staged, false to compute these now. With `n_staged` 0, `bytes` are
      * what a group's first ubatch would hold: true to stage it, false to
-     * compute it and the batch's next ubatches one at a time, as stock. */
-    bool (*group_room)(void * user_data, uint32_t n_staged, size_t bytes);
+     * compute it and the batch's next ubatches one at a time, as stock.
+     * `op_out`: the largest output of a staged ubatch's expert op, which
+     * sdq keeps for each later ubatch where the first's op computes the
+     * group's experts (group_layer). */
+    bool (*group_room)(void * user_data, uint32_t n_staged, size_t bytes, size_t op_out);
     void (*group_ends)(void * user_data);
     /* Graph: the paged layer whose experts graph node `node` computes (one
      * of sdq's expert ops), or -1. A group's graphs are cut before each
@@ -180,6 +183,13 @@ struct sdq_hooks {
      * computed, and the op runs once the group's other ubatches have had
      * their turn: its experts can be read now. */
     void (*experts_ahead)(void * user_data, const struct ggml_tensor * node);
+    /* Compute: the group's `n` ubatches reach a paged layer, each at its
+     * expert op `nodes[i]` (the first ubatch's runs first); kept[i *
+     * GGML_MAX_SRC + j] is where source j of nodes[i] is kept aside (NULL
+     * where it is not in the compute buffer), valid until ubatch i has
+     * computed the op. sdq may compute every ubatch's experts in the
+     * first's op, and the others' ops copy what it computed for them. */
+    void (*group_layer)(void * user_data, uint32_t n, struct ggml_tensor * const * nodes, const void * const * kept);
     /* Server: the pager's figures in format `kind` (SDQ_REPORT_*), written
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
      * Returns the text's whole length, as snprintf does. */

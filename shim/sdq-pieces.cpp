@@ -8,11 +8,15 @@
 #include <unordered_map>
 
 // The tensor whose memory `t` is (a view's, followed to its source).
-static ggml_tensor * memory_of(ggml_tensor * t) {
+static const ggml_tensor * memory_of(const ggml_tensor * t) {
     while (t->view_src) {
         t = t->view_src;
     }
     return t;
+}
+
+static ggml_tensor * memory_of(ggml_tensor * t) {
+    return const_cast<ggml_tensor *>(memory_of(static_cast<const ggml_tensor *>(t)));
 }
 
 // In the compute buffer, whose memory the allocator hands from tensor to
@@ -69,6 +73,11 @@ void sdq_graph_pieces::init(ggml_cgraph * graph, int (*layer_of)(void *, const g
         touch(node, i, true);
     }
 
+    op_out = 0;
+    for (size_t k = 1; k < starts.size(); ++k) {
+        op_out = std::max(op_out, ggml_nbytes(ggml_graph_node(gf, starts[k])));
+    }
+
     crossing.assign(starts.size() + 1, {});
     most = 0;
     for (size_t k = 0; k <= starts.size(); ++k) {
@@ -105,6 +114,18 @@ void sdq_graph_pieces::keep_inputs() {
 
 ggml_tensor * sdq_graph_pieces::op_of_piece(size_t k) const {
     return ggml_graph_node(gf, starts[k]);
+}
+
+const void * sdq_graph_pieces::kept_data(const ggml_tensor * t) const {
+    const ggml_tensor * m = memory_of(t);
+    size_t offs = 0;
+    for (const ggml_tensor * c : crossing[next]) {
+        if (c == m) {
+            return kept.data() + offs + ((const uint8_t *) t->data - (const uint8_t *) m->data);
+        }
+        offs += ggml_nbytes(c);
+    }
+    return nullptr;
 }
 
 void sdq_graph_pieces::keep(size_t cut) {

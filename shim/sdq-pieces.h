@@ -64,6 +64,15 @@ public:
      * largest cut, and its view of a piece. */
     size_t bytes() const { return most + view_bytes; }
 
+    /* The largest output of a piece's first op (an expert op): what this
+     * ubatch keeps of it where another ubatch's op computes it. */
+    size_t largest_op_out() const { return op_out; }
+
+    /* Where tensor `t` (a source of the next piece's first op) is kept
+     * aside, valid until that piece is computed; NULL if it does not cross
+     * into the piece (it is not in the compute buffer). */
+    const void * kept_data(const ggml_tensor * t) const;
+
 private:
     void keep(size_t cut);
     void restore(size_t cut);
@@ -80,6 +89,7 @@ private:
     std::vector<uint8_t> kept;
     /* The bytes crossing the largest cut. */
     size_t most = 0;
+    size_t op_out = 0;
     size_t next = 0;
     ggml_context * view_ctx = nullptr;
     size_t view_bytes = 0;

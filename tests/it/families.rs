@@ -2,7 +2,7 @@
 //! the same flags: identical greedy tokens and final logits at the minimum
 //! arena, a middle one and one holding every expert.
 
-use crate::pager::{budget_for, eval, max_abs_diff, MIB};
+use crate::pager::{budget_for, eval, eval_env, max_abs_diff, MIB};
 use crate::util::*;
 use serde_json::Value;
 use std::path::PathBuf;
@@ -91,7 +91,15 @@ fn check_family(case: &Case) {
 /// layer across them (patch 0013) at an arena that holds a layer's experts
 /// but not the model's: the same tokens and logits as stock with the same
 /// flags, the KV cache, recurrent state and sliding windows crossing the
-/// ubatches as in stock's order.
+/// ubatches as in stock's order. And again with the group's expert ops
+/// shared (`SDQ_GROUP_SHARE=1`, the default where the arena holds less than
+/// a layer): each layer whose experts are one op computed for every ubatch
+/// in the first's, from the inputs the others kept aside.
+/// The families whose paged layers are three matmuls, not one op for the
+/// layer (`hooks::moe_experts` takes only plain SwiGLU without biases)
+/// (gpt-oss's biased, clamped SwiGLU; gemma4's GELU; a fused gate_up).
+const NOT_FUSED: &[&str] = &["gpt-oss", "gpt-oss-mxfp4", "gpt-oss-trained", "gemma4", "deepseek2-fused"];
+
 fn check_grouped_prompt(case: &Case, model: &std::path::Path) {
     let prompt = crate::pager::long_prompt();
     let base = ["--prompt-file", prompt.to_str().unwrap(), "-n", "8", "-t", "2", "-c", "1024", "--ubatch", "96", "--batch", "1024"];
@@ -113,6 +121,26 @@ fn check_grouped_prompt(case: &Case, model: &std::path::Path) {
     let s = run.stats.as_ref().unwrap();
     let (groups, ubatches) = (u(&s["prompt_groups"], "groups"), u(&s["prompt_groups"], "ubatches"));
     assert!(groups >= 1 && ubatches >= 6 && ubatches >= 2 * groups, "{what}: not computed in groups of several ubatches: {s}");
+    let what = format!("{}: a grouped prompt, its expert ops shared", case.name);
+    let shared = eval_env(
+        model,
+        &format!("{}-grouped-shared", case.name),
+        &[&base[..], &["--ram-budget", &budget, "--sdq-reserve", "64M"]].concat(),
+        &[("SDQ_GROUP_SHARE", "1")],
+    );
+    assert_eq!(shared.json["tokens"], stock.json["tokens"], "{what}: tokens differ from stock");
+    assert_eq!(max_abs_diff(&shared.logits, &stock.logits), 0.0, "{what}: logits differ");
+    let s = shared.stats.as_ref().unwrap();
+    let g = &s["prompt_groups"];
+    // Layers of three matmuls (gpt-oss's biased, clamped SwiGLU) compute
+    // their down's input inside the piece: those groups do not share.
+    let fused = !NOT_FUSED.contains(&case.name);
+    // A last layer computes the prompt's output tokens only: where it is
+    // paged, the group's first ubatch (no output) computes nothing there,
+    // and the last ubatch its own token.
+    let (groups, layers) = (u(g, "groups"), u(g, "shared_layers"));
+    let shared_all = if fused { (groups * (case.paged_layers - 1)..=groups * case.paged_layers).contains(&layers) } else { layers == 0 };
+    assert!(groups >= 1 && u(g, "shared") == u64::from(fused) * groups && shared_all, "{what}: not every paged layer of every group shared: {s}");
 }
 
 macro_rules! family_tests {

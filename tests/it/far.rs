@@ -173,7 +173,8 @@ fn deepseek_v3_at_full_width_in_split_parts_answers_as_stock() {
 /// memory limit of the budget itself (page cache counted). Narrow experts
 /// (FFN 512) keep the file at 3.7 GB; two layers of them, so that the first
 /// paged layer sees the whole ubatch (the last layer computes only the
-/// outputs' rows).
+/// outputs' rows). The prompt's two ubatches are one group sharing its
+/// expert ops, the arena lending it what it stages and keeps.
 #[test]
 fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
     let args = ["--preset", "deepseek-v3", "--layers", "3", "--dense-layers", "1", "--expert-ff", "512", "--expert-type", "q2_K"];
@@ -217,8 +218,15 @@ fn deepseek_v3_prompt_ubatch_stays_in_the_budget() {
     let s = read_json(&stats);
     assert!(u(&s["prompt"], "tokens") >= 512, "not a full ubatch: {s}");
     // A group may stage in half the reserve, 32 MiB, and a ubatch here
-    // stages 31 MiB: not two, so the batch keeps stock's order.
-    assert_eq!((u(&s["prompt_groups"], "groups"), u(&s["prompt_groups"], "no_room")), (0, 1), "a group staged beyond its allowance: {s}");
-    assert!(u(&s, "arena_resident_bytes") + 16 * MIB >= u(&s, "arena_bytes"), "the arena's pages must all be resident: {s}");
+    // stages 31 MiB: not two. But the arena holds less than a layer's
+    // experts, so the group's ubatches share their expert ops, and the
+    // arena lends it the rest (its slots past two layers' top-k), within
+    // the limit. The slots it lent are faulted in again as they fill.
+    let g = &s["prompt_groups"];
+    assert!(u(g, "groups") == 1 && u(g, "shared") == 1 && u(g, "arena_lent_bytes") > 0, "the group was not shared and lent its room: {s}");
+    assert!(
+        u(&s, "arena_resident_bytes") + u(g, "arena_lent_bytes") + 16 * MIB >= u(&s, "arena_bytes"),
+        "the arena's pages must all be resident, but for what it lent: {s}"
+    );
     assert!(sanitized() || u(&s, "peak_rss_anon_bytes") <= budget.parse().unwrap(), "peak RSS over the budget of {budget}: {s}");
 }

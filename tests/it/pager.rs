@@ -756,13 +756,17 @@ fn a_group_borrows_from_the_arena_what_its_allowance_lacks() {
 }
 
 /// An arena smaller than one layer's experts still computes a batch's
-/// ubatches together, layer by layer: it holds the experts they touch at a
-/// layer (routing that favours some), so the prompt reads far less than one
-/// ubatch at a time (`SDQ_GROUP=1`), and both give stock's tokens and
-/// logits with the same flags. With a reserve whose group allowance cannot
-/// stage two of its ubatches, the batch keeps stock's order: no group.
-/// Given in several batches, the prompt reads its experts once per batch,
-/// and the hint names the `-b` of the whole prompt.
+/// ubatches together, layer by layer, and they share their expert ops: the
+/// first ubatch's op computes each layer's experts for the group, so the
+/// prompt reads each expert it touches once, far less than one ubatch at a
+/// time (`SDQ_GROUP=1`) or the group's ubatches each with its own op
+/// (`SDQ_GROUP_SHARE=0`, which reads again what the arena could not keep).
+/// All three give stock's tokens and logits with the same flags. With a
+/// reserve whose group allowance cannot stage two of its ubatches, a group
+/// that shares is lent what it holds by the arena, which needs few slots
+/// then; one that does not share keeps stock's order. Given in several
+/// batches, the prompt reads its experts once per batch, and the hint names
+/// the `-b` of the whole prompt.
 #[test]
 fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let model = gen_model("group-small-arena.gguf", &["--preset", "tiny", "--experts", "128", "--top-k", "8", "--router-skew", "1", "--seed", "5"]);
@@ -785,22 +789,41 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let budget = budget_for(&probe, 64 * MIB, layer * 3 / 4);
     let stock = run_eval(None, &[], "stock");
     let grouped = run_eval(Some((&budget, "64M")), &[], "grouped");
+    let unshared = run_eval(Some((&budget, "64M")), &[("SDQ_GROUP_SHARE", "0")], "unshared");
     let alone = run_eval(Some((&budget, "64M")), &[("SDQ_GROUP", "1")], "alone");
-    let (g, a) = (grouped.stats.as_ref().unwrap(), alone.stats.as_ref().unwrap());
+    let (g, n, a) = (grouped.stats.as_ref().unwrap(), unshared.stats.as_ref().unwrap(), alone.stats.as_ref().unwrap());
     assert!(u(g, "arena_bytes") < layer, "the arena holds a whole layer: {g}");
-    assert!(u(&g["prompt_groups"], "groups") >= 1 && u(&g["prompt_groups"], "ubatches") >= 3, "not grouped: {g}");
-    for (what, e) in [("grouped", &grouped), ("one ubatch at a time", &alone)] {
+    let layers = g["layers"].as_array().unwrap().len() as u64;
+    for s in [g, n] {
+        assert!(u(&s["prompt_groups"], "groups") == 1 && u(&s["prompt_groups"], "ubatches") >= 3, "not one group: {s}");
+    }
+    assert_eq!((u(&g["prompt_groups"], "shared"), u(&g["prompt_groups"], "shared_layers")), (1, layers), "the group did not share every layer: {g}");
+    assert_eq!(u(&n["prompt_groups"], "shared_layers"), 0, "SDQ_GROUP_SHARE=0 shared: {n}");
+    for (what, e) in [("shared", &grouped), ("grouped, not shared", &unshared), ("one ubatch at a time", &alone)] {
         assert_eq!((&e.json["tokens"], max_abs_diff(&e.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "{what} against stock");
     }
     let read = |s: &Value| u(&s["prompt"], "bytes_read") as f64;
-    assert!(read(g) < 0.7 * read(a), "grouped read {} B, one ubatch at a time {} B", read(g), read(a));
+    assert!(read(n) < 0.7 * read(a), "grouped read {} B, one ubatch at a time {} B", read(n), read(a));
+    // Read once: what a read ahead of a layer's predicted experts brought
+    // in and the layer did not use is all it reads beyond what it touches.
+    assert!(read(g) <= 1.05 * u(&g["prompt"], "touched_bytes") as f64 && read(g) < read(n), "shared read {} B, not shared {} B: {g}", read(g), read(n));
     // A group may hold half the reserve: at 1 MiB, less than two staged
     // ubatches (their graphs and kept inputs, about 2 MiB each here), and
-    // an arena under one layer's experts lends nothing.
-    let tight = run_eval(Some((&budget_for(&probe, MIB, layer * 3 / 4), "1M")), &[], "tight");
+    // an arena under one layer's experts lends nothing to a group that
+    // does not share. One that shares is lent what it holds beyond its
+    // allowance (12 MiB of reserve: 6 for the group, the group about 17),
+    // within the budget.
+    let tight = run_eval(Some((&budget_for(&probe, MIB, layer * 3 / 4), "1M")), &[("SDQ_GROUP_SHARE", "0")], "tight");
     let t = tight.stats.as_ref().unwrap();
     assert_eq!((u(&t["prompt_groups"], "groups"), u(&t["prompt_groups"], "no_room")), (0, 1), "a group staged beyond its allowance: {t}");
-    assert_eq!((&tight.json["tokens"], max_abs_diff(&tight.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "no group against stock");
+    let tight_budget = budget_for(&probe, 12 * MIB, layer * 3 / 4);
+    let lent = run_eval(Some((&tight_budget, "12M")), &[], "tight-shared");
+    let l = lent.stats.as_ref().unwrap();
+    assert!(u(&l["prompt_groups"], "shared") == 1 && u(&l["prompt_groups"], "arena_lent_bytes") > 0, "a group that shares was not lent its room: {l}");
+    assert!(sanitized() || u(l, "peak_rss_anon_bytes") <= tight_budget.parse().unwrap(), "peak RSS over the budget of {tight_budget}: {l}");
+    for (what, e) in [("no group", &tight), ("a shared group lent its room", &lent)] {
+        assert_eq!((&e.json["tokens"], max_abs_diff(&e.logits, &stock.logits)), (&stock.json["tokens"], 0.0), "{what} against stock");
+    }
     // Batches of two ubatches: each is a group, and reads its experts again.
     let cut = batched("256", Some((&budget, "64M")), &[], "b256");
     let cut_stock = batched("256", None, &[], "b256-stock");

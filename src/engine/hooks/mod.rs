@@ -57,6 +57,7 @@ pub fn install() {
             group_ends: Some(group_ends),
             expert_layer: Some(expert_layer),
             experts_ahead: Some(experts_ahead),
+            group_layer: Some(group_layer),
             report: Some(report),
             remote_paged: Some(rpc::remote_paged),
             rpc_claim: Some(rpc::rpc_claim),
@@ -114,12 +115,13 @@ extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32) {
     })
 }
 
-extern "C" fn group_room(_: *mut c_void, n_staged: u32, bytes: usize) -> bool {
-    guard("group_room", || runtime::get().is_some_and(|rt| rt.group_room(n_staged, bytes as u64)))
+extern "C" fn group_room(_: *mut c_void, n_staged: u32, bytes: usize, op_out: usize) -> bool {
+    guard("group_room", || runtime::get().is_some_and(|rt| rt.group_room(n_staged, bytes as u64, op_out as u64)))
 }
 
 extern "C" fn group_ends(_: *mut c_void) {
     guard("group_ends", || {
+        moe::group_ends();
         if let Some(rt) = runtime::get() {
             rt.on_group_ends();
         }
@@ -130,6 +132,19 @@ extern "C" fn expert_layer(_: *mut c_void, node: *const sys::ggml_tensor) -> std
     guard("expert_layer", || {
         // SAFETY: llama.cpp passes a node of a graph it built.
         unsafe { moe::expert_layer(&*node) }.map_or(-1, |l| l as std::ffi::c_int)
+    })
+}
+
+extern "C" fn group_layer(_: *mut c_void, n: u32, nodes: *const *mut sys::ggml_tensor, kept: *const *const c_void) {
+    guard("group_layer", || {
+        // SAFETY: llama.cpp passes n op nodes of the group's graphs and
+        // GGML_MAX_SRC kept pointers for each, valid while the layer's
+        // ops run (sdq-hooks.h).
+        unsafe {
+            let nodes = std::slice::from_raw_parts(nodes, n as usize);
+            let kept = std::slice::from_raw_parts(kept, n as usize * sys::GGML_MAX_SRC as usize);
+            moe::group_layer(nodes, kept);
+        }
     })
 }
 
@@ -344,6 +359,7 @@ fn paged_experts(names: &[String; 3], layer: u32, kernels: [DotKernels; 3]) -> &
         let [gate, up, down] = kernels;
         log::debug!("layer {layer}: gate, up, SwiGLU and down in one paged op ({}, {}, {})", layouts[0].name(), layouts[1].name(), layouts[2].name());
         let name = names[2].clone();
+        moe::note_fused_layer();
         Box::leak(Box::new(PagedExperts { name, layer, gate, up, down, layouts, counts_tokens: layer == first_layer, ends_step: layer == last_layer }))
     })
 }

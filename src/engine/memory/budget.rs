@@ -159,6 +159,30 @@ pub fn thread_cpu_ns() -> u64 {
     }
 }
 
+/// Allocations of this size or more are mapped on their own.
+const MMAP_THRESHOLD: i32 = 1 << 20;
+
+/// From now on, makes every allocation of 1 MiB or more a mapping of its
+/// own, unmapped when freed. glibc otherwise raises its threshold to the size
+/// of each such block freed (up to 32 MiB), so the next ones come from the
+/// heap, which keeps their pages once they are freed: a prompt group's
+/// staged ubatches and kept outputs, freed when the group ends, stayed in
+/// RSS while the arena filled again the slots it had lent them, past the
+/// budget. Set when the first group is staged, so that what a process holds
+/// after load (which `sdq inspect` predicts) is as before.
+pub fn return_large_frees() {
+    static SET: std::sync::Once = std::sync::Once::new();
+    SET.call_once(|| {
+        #[cfg(all(target_os = "linux", target_env = "gnu"))]
+        // SAFETY: mallopt only sets one of the allocator's parameters.
+        unsafe {
+            if libc::mallopt(libc::M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1 {
+                log::debug!("mallopt(M_MMAP_THRESHOLD) refused: freed buffers may stay in the heap");
+            }
+        }
+    });
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -23,6 +23,11 @@
 //! of the result. The router-weighted sum is llama.cpp's own ops, in its own
 //! order.
 //!
+//! In a prompt group whose ubatches share their expert ops (`shared`), the
+//! first ubatch's op computes every ubatch's experts of the layer, each
+//! ubatch's from its own input into its own output, so each expert is
+//! pinned once per group.
+//!
 //! While decoding, the next layer's experts are predicted from this layer's
 //! expert input (`predict_next`: the next layer's router applied to it) and
 //! read ahead at low priority once this layer's own misses are submitted.
@@ -44,10 +49,12 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 mod activations;
 mod routing;
+mod shared;
 
 use activations::Activations;
 use routing::predictions;
 pub use routing::{predict_next, record_routing, Predictor, RoutingRecord};
+pub use shared::{fused_layers_built, group_ends, group_layer, note_fused_layer};
 
 /// Batches of up to this many tokens are decode steps (of one sequence or
 /// several at once), whose prediction of the next layer is read ahead only
@@ -96,9 +103,30 @@ type Uses = Vec<i32>;
 
 /// What every thread of one call shares, fixed when the call starts.
 struct Batch {
-    /// The batch's experts in ascending order, with their uses.
-    experts: Vec<(u32, Uses)>,
+    /// The batch's experts in ascending order, with their uses by each of
+    /// its inputs (one, or a shared layer's every ubatch).
+    experts: Vec<(u32, Vec<Uses>)>,
+    inputs: Vec<BatchInput>,
+}
+
+/// One input of a call: its activations, converted, and where its output
+/// goes (its op's output, or a later ubatch's kept aside).
+struct BatchInput {
     acts: Activations,
+    /// The output's address and its strides between uses and tokens.
+    out: usize,
+    nb1: usize,
+    nb2: usize,
+}
+
+/// One input of a call as its op gives it: routing [n_used, n_tokens], the
+/// F32 input, and where its output goes.
+struct Input<'a> {
+    ids: &'a sys::ggml_tensor,
+    b: &'a sys::ggml_tensor,
+    out: *mut u8,
+    nb1: usize,
+    nb2: usize,
 }
 
 /// One call of a paged matmul (one graph node, all of ggml's threads): the
@@ -316,9 +344,10 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
             start_step(rt, pager, ids.ne[1] as u64);
         }
     };
+    let input = Input { ids, b, out: dst.data.cast(), nb1: dst.nb[1], nb2: dst.nb[2] };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
     // its F32 input with contiguous rows (checked when the op was built).
-    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, starts, &op.kernels, ids, b, pager) };
+    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, false, starts, &op.kernels, &[input], pager) };
     let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
     WORKSPACE.with_borrow_mut(|ws| {
         for_each_pinned(key, nth, op.layer, pager, &batch, |expert, uses| {
@@ -326,7 +355,9 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
             // converted (by join's caller) in stock's layout; dst is F32
             // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
             // to e alone, and e to this thread alone.
-            unsafe { matmul.run(expert.part(op.part), &batch.acts.buf, b.ne[1] as usize, uses, dst.data.cast(), dst.nb[1], dst.nb[2], &mut ws.tiled) };
+            unsafe {
+                matmul.run(expert.part(op.part), &batch.inputs[0].acts.buf, b.ne[1] as usize, &uses[0], dst.data.cast(), dst.nb[1], dst.nb[2], &mut ws.tiled)
+            };
         });
     });
     if op.ends_step && ith == 0 {
@@ -367,64 +398,108 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
             start_step(rt, pager, ids.ne[1] as u64);
         }
     };
-    // SAFETY: ids is the I32 [n_used, n_tokens] routing and b the F32
-    // [n_embd, 1, n_tokens] input, contiguous (checked when the op was built).
-    let batch = unsafe { join(key, op.layer, &op.name, true, starts, &op.gate, ids, b, pager) };
+    // SAFETY: dst is a fused expert op being computed.
+    let kept = match unsafe { shared::role(dst) } {
+        shared::Role::Alone => Vec::new(),
+        shared::Role::First(kept) => kept,
+        shared::Role::Copy(out, len) => {
+            // A later ubatch of a group whose first ubatch's op computed
+            // this layer for it: its step still starts and ends here.
+            if op.counts_tokens && ith == 0 {
+                start_step(rt, pager, ids.ne[1] as u64);
+            }
+            // SAFETY: out is this op's output as computed for it, len bytes,
+            // which is dst's size; each thread copies its own chunk.
+            unsafe { copy_out(dst, out, len, ith, nth) };
+            if op.ends_step && ith == 0 {
+                end_step(rt, pager);
+            }
+            return;
+        }
+    };
+    let mut inputs = vec![Input { ids, b, out: dst.data.cast(), nb1: dst.nb[1], nb2: dst.nb[2] }];
+    inputs.extend(kept.iter().map(|k| Input { ids: &k.routing, b: &k.input, out: k.out, nb1: k.nb1, nb2: k.nb2 }));
+    // SAFETY: each ids is the I32 [n_used, n_tokens] routing and b the F32
+    // [n_embd, 1, n_tokens] input of a ubatch's op, contiguous (checked when
+    // the op was built), a later ubatch's where it keeps them aside; each
+    // out is F32 [n_embd, n_used, n_tokens] with the strides given.
+    let batch = unsafe { join(key, op.layer, &op.name, true, !kept.is_empty(), starts, &op.gate, &inputs, pager) };
     let [gate_l, up_l, down_l] = op.layouts;
     let (gate, up, down) =
         (ExpertMatmul::new(&op.gate, gate_w, gate_l, nth), ExpertMatmul::new(&op.up, up_w, up_l, nth), ExpertMatmul::new(&op.down, down_w, down_l, nth));
     let down_act_bytes = op.down.activation_row_bytes(n_ff);
     WORKSPACE.with_borrow_mut(|ws| {
         let Workspace { tiled, fused: f } = ws;
-        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, uses| {
-            // At most FUSED_ROWS uses at a time: this thread's buffers stay
-            // the same size whatever the ubatch (an expert a whole ubatch
-            // routes to would otherwise take ubatch × n_ff floats thrice).
-            for uses in uses.chunks(2 * FUSED_ROWS) {
-                let n = uses.len() / 2;
-                f.gate.resize(n * n_ff, 0.0);
-                f.up.resize(n * n_ff, 0.0);
-                f.act.resize(n * n_ff, 0.0);
-                f.act_q.resize(n * down_act_bytes, 0);
-                f.out.resize(n * n_embd, 0.0);
-                // Use j of token t: gate and up read b's row t and write row j.
-                f.rows.clear();
-                f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
-                // SAFETY: the parts are this expert's rows; b's rows are converted
-                // for gate and up (which share an activation type, checked when
-                // the op was built); row j of gate and up (n_ff floats at j ·
-                // n_ff · 4) is this thread's buffer.
-                unsafe {
-                    gate.run(expert.part(Part::Gate), &batch.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
-                    up.run(expert.part(Part::Up), &batch.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
-                }
-                for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
-                    // SAFETY: three distinct buffers of n_ff floats.
-                    unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
-                }
-                for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
-                    op.down.convert_activation(act, q);
-                }
-                // Down reads activation row j and writes row j.
-                f.rows.clear();
-                f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
-                // SAFETY: as above, with down's rows and activations.
-                unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
-                for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
-                    // SAFETY: dst is F32 [n_embd, n_used, n_tokens], contiguous;
-                    // its row (k, t) belongs to expert e alone, and e to this
-                    // thread alone.
-                    let row = unsafe {
-                        let p = (dst.data as *mut u8).add(kt[1] as usize * dst.nb[2] + kt[0] as usize * dst.nb[1]);
-                        std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
-                    };
-                    row.copy_from_slice(out);
+        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, by_input| {
+            for (input, uses) in batch.inputs.iter().zip(by_input) {
+                // At most FUSED_ROWS uses at a time: this thread's buffers stay
+                // the same size whatever the ubatch (an expert a whole ubatch
+                // routes to would otherwise take ubatch × n_ff floats thrice).
+                for uses in uses.chunks(2 * FUSED_ROWS) {
+                    let n = uses.len() / 2;
+                    f.gate.resize(n * n_ff, 0.0);
+                    f.up.resize(n * n_ff, 0.0);
+                    f.act.resize(n * n_ff, 0.0);
+                    f.act_q.resize(n * down_act_bytes, 0);
+                    f.out.resize(n * n_embd, 0.0);
+                    // Use j of token t: gate and up read b's row t and write row j.
+                    f.rows.clear();
+                    f.rows.extend(uses.chunks_exact(2).enumerate().flat_map(|(j, kt)| [j as i32, kt[1]]));
+                    // SAFETY: the parts are this expert's rows; b's rows are converted
+                    // for gate and up (which share an activation type, checked when
+                    // the op was built); row j of gate and up (n_ff floats at j ·
+                    // n_ff · 4) is this thread's buffer.
+                    unsafe {
+                        gate.run(expert.part(Part::Gate), &input.acts.buf, 1, &f.rows, f.gate.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                        up.run(expert.part(Part::Up), &input.acts.buf, 1, &f.rows, f.up.as_mut_ptr().cast(), n_ff * 4, 0, tiled);
+                    }
+                    for ((act, g), u) in f.act.chunks_exact_mut(n_ff).zip(f.gate.chunks_exact(n_ff)).zip(f.up.chunks_exact(n_ff)) {
+                        // SAFETY: three distinct buffers of n_ff floats.
+                        unsafe { sys::sdq_swiglu(n_ff as i32, act.as_mut_ptr(), g.as_ptr(), u.as_ptr()) };
+                    }
+                    for (act, q) in f.act.chunks_exact(n_ff).zip(f.act_q.chunks_exact_mut(down_act_bytes)) {
+                        op.down.convert_activation(act, q);
+                    }
+                    // Down reads activation row j and writes row j.
+                    f.rows.clear();
+                    f.rows.extend((0..n as i32).flat_map(|j| [j, j]));
+                    // SAFETY: as above, with down's rows and activations.
+                    unsafe { down.run(expert.part(Part::Down), &f.act_q, 1, &f.rows, f.out.as_mut_ptr().cast(), n_embd * 4, 0, tiled) };
+                    for (out, kt) in f.out.chunks_exact(n_embd).zip(uses.chunks_exact(2)) {
+                        // SAFETY: the input's output is F32 [n_embd, n_used,
+                        // n_tokens] with its strides (dst, or a later ubatch's
+                        // kept aside); its row (k, t) belongs to expert e alone,
+                        // and e to this thread alone.
+                        let row = unsafe {
+                            let p = (input.out as *mut u8).add(kt[1] as usize * input.nb2 + kt[0] as usize * input.nb1);
+                            std::slice::from_raw_parts_mut(p as *mut f32, n_embd)
+                        };
+                        row.copy_from_slice(out);
+                    }
                 }
             }
         });
     });
     if op.ends_step && ith == 0 {
         end_step(rt, pager);
+    }
+}
+
+/// Copies this thread's share of `len` bytes at `out` into `dst`.
+///
+/// # Safety
+/// `dst` must be a contiguous tensor of `len` bytes, and `out` readable for
+/// `len` bytes, written by no one meanwhile.
+unsafe fn copy_out(dst: &mut sys::ggml_tensor, out: *const u8, len: usize, ith: usize, nth: usize) {
+    // SAFETY: per this function's contract.
+    unsafe {
+        if sys::ggml_nbytes(dst) != len {
+            fatal("a shared expert op's output differs in size from its ubatch's");
+        }
+        let chunk = len.div_ceil(nth);
+        let start = (ith * chunk).min(len);
+        let end = (start + chunk).min(len);
+        std::ptr::copy_nonoverlapping(out.add(start), (dst.data as *mut u8).add(start), end - start);
     }
 }
 
@@ -454,6 +529,19 @@ struct CustomOpParams {
     fun: sys::ggml_custom_op_t,
     n_tasks: c_int,
     userdata: *mut c_void,
+}
+
+/// Whether graph node `node` is sdq's op for a whole layer's experts.
+///
+/// # Safety
+/// `node` must be a valid tensor of a graph.
+unsafe fn is_fused(node: &sys::ggml_tensor) -> bool {
+    if node.op != sys::GGML_OP_CUSTOM {
+        return false;
+    }
+    // SAFETY: as in `expert_op`.
+    let params = unsafe { &*(node.op_params.as_ptr() as *const CustomOpParams) };
+    params.fun.map(|f| f as usize) == Some(paged_moe_experts as *const () as usize)
 }
 
 /// sdq's expert op that graph node `node` is, if it is one: its layer and
@@ -553,24 +641,25 @@ unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u
 
 /// This thread's view of call `key`, which the first thread to arrive
 /// creates: it starts the step where the call does (`starts`), groups the
-/// routing by expert and, for the layer's first op
+/// routing of its `inputs` by expert and, for the layer's first op
 /// (`starts_layer`), hands the batch's misses to the readers and starts the
-/// prefetch. Returns once `b` is converted to `kernels`' activation type,
-/// which every thread of the call helps with.
+/// prefetch (`whole_group`: the inputs are a prompt group's every ubatch,
+/// its expert ops shared). Returns once every input's `b` is converted to
+/// `kernels`' activation type, which every thread of the call helps with.
 ///
 /// # Safety
-/// `ids` must be this call's valid I32 routing tensor and `b` its F32 input
-/// [cols, ne11, n_tokens] with contiguous rows.
+/// Each input's `ids` must be a valid I32 routing tensor of the call and
+/// its `b` the F32 input [cols, ne11, n_tokens] with contiguous rows.
 #[allow(clippy::too_many_arguments)]
 unsafe fn join(
     key: usize,
     layer: u32,
     name: &str,
     starts_layer: bool,
+    whole_group: bool,
     starts: impl FnOnce(),
     kernels: &DotKernels,
-    ids: &sys::ggml_tensor,
-    b: &sys::ggml_tensor,
+    inputs: &[Input<'_>],
     pager: &Pager,
 ) -> Arc<Batch> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
@@ -578,27 +667,36 @@ unsafe fn join(
         // The step's clock starts before its first lookups are counted,
         // whichever thread arrives first.
         starts();
-        let mut by_expert: BTreeMap<i32, Uses> = BTreeMap::new();
-        for t in 0..ids.ne[1] {
-            for k in 0..ids.ne[0] {
-                // SAFETY: k < ne0 and t < ne1 of ids (this function's contract).
-                let e = unsafe { expert_id(ids, k, t) };
-                by_expert.entry(e).or_default().extend([k as i32, t as i32]);
+        let mut by_expert: BTreeMap<i32, Vec<Uses>> = BTreeMap::new();
+        for (i, input) in inputs.iter().enumerate() {
+            let ids = input.ids;
+            for t in 0..ids.ne[1] {
+                for k in 0..ids.ne[0] {
+                    // SAFETY: k < ne0 and t < ne1 of ids (this function's contract).
+                    let e = unsafe { expert_id(ids, k, t) };
+                    by_expert.entry(e).or_insert_with(|| vec![Uses::new(); inputs.len()])[i].extend([k as i32, t as i32]);
+                }
             }
         }
         if let Some((&e, _)) = by_expert.iter().find(|(&e, _)| e < 0) {
             fatal(&format!("{name}: router selected expert {e}"));
         }
+        let (ids, n_tokens) = (inputs[0].ids, inputs[0].ids.ne[1]);
         let deferred = if starts_layer {
             let experts: Vec<u32> = by_expert.keys().map(|&e| e as u32).collect();
-            if ids.ne[1] > 1 {
+            if n_tokens > 1 {
                 runtime::get().inspect(|rt| rt.prompt_touched(layer, &experts));
             }
-            let deferred: HashSet<u32> = pager.prepare(layer, &experts).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
+            if whole_group {
+                log::debug!("layer {layer}: the experts of {} ubatches in one op", inputs.len());
+                runtime::get().inspect(|rt| rt.on_layer_shared());
+            }
+            let deferred: HashSet<u32> = pager.prepare(layer, &experts, whole_group).unwrap_or_else(|err| fatal(&err.to_string())).into_iter().collect();
             // In a prompt group, what the later ubatches need at this layer
             // is read while this one computes; not where the arena already
-            // had no slot for this ubatch's own misses.
-            if ids.ne[1] > DECODE_MAX_TOKENS && deferred.is_empty() {
+            // had no slot for this ubatch's own misses, nor where this op
+            // computes the later ubatches too.
+            if n_tokens > DECODE_MAX_TOKENS && deferred.is_empty() && !whole_group {
                 pager.read_group_owed(layer);
             }
             // This layer's misses are queued: now what the next layer will
@@ -608,7 +706,7 @@ unsafe fn join(
             // predictions pay.
             let predicted = predictions().lock().unwrap_or_else(|p| p.into_inner()).remove(&layer);
             if let Some((next, predicted)) = predicted {
-                if ids.ne[1] > DECODE_MAX_TOKENS {
+                if n_tokens > DECODE_MAX_TOKENS {
                     pager.read_ahead(next, &predicted, layer);
                 } else if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
                     pager.prefetch(next, &predicted, layer);
@@ -618,14 +716,24 @@ unsafe fn join(
         } else {
             HashSet::new()
         };
-        let experts: Vec<(u32, Uses)> = by_expert.into_iter().map(|(e, u)| (e as u32, u)).collect();
-        let acts = Activations::new(kernels.activation_row_bytes(b.ne[0] as usize), (b.ne[1] * b.ne[2]) as usize);
-        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, acts }), first_open: 0, deferred, left: 0 }
+        let experts: Vec<(u32, Vec<Uses>)> = by_expert.into_iter().map(|(e, u)| (e as u32, u)).collect();
+        let inputs = inputs
+            .iter()
+            .map(|i| BatchInput {
+                acts: Activations::new(kernels.activation_row_bytes(i.b.ne[0] as usize), (i.b.ne[1] * i.b.ne[2]) as usize),
+                out: i.out as usize,
+                nb1: i.nb1,
+                nb2: i.nb2,
+            })
+            .collect();
+        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, inputs }), first_open: 0, deferred, left: 0 }
     });
     let batch = Arc::clone(&call.batch);
     drop(calls);
-    // SAFETY: b is the input the buffer was sized from (this function's contract).
-    unsafe { batch.acts.convert(b, kernels) };
+    for (input, converted) in inputs.iter().zip(&batch.inputs) {
+        // SAFETY: b is the input the buffer was sized from (this function's contract).
+        unsafe { converted.acts.convert(input.b, kernels) };
+    }
     batch
 }
 
@@ -635,7 +743,7 @@ unsafe fn join(
 /// failed acquire abandons the batch (or ends the process): that expert's
 /// rows of dst are never read, and the loop goes on so that every claim is
 /// drained and the call's last thread removes it.
-fn for_each_pinned(key: usize, nth: usize, layer: u32, pager: &Pager, batch: &Batch, mut work: impl FnMut(&PinnedExpert<'_>, &[i32])) {
+fn for_each_pinned(key: usize, nth: usize, layer: u32, pager: &Pager, batch: &Batch, mut work: impl FnMut(&PinnedExpert<'_>, &[Uses])) {
     while let Some((i, count)) = next_expert(key, nth, layer, pager) {
         let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
         match pager.acquire(layer, e, count) {

@@ -452,8 +452,10 @@ impl Pager {
     /// at once, into slots that hold none of the batch's experts. Returns the
     /// misses it found no slot for (counted here, so their acquire counts
     /// `Count::Nothing`): each is read as soon as a slot is released, or by
-    /// its acquire if that comes first.
-    pub fn prepare(&self, layer: u32, experts: &[u32]) -> Result<Vec<u32>> {
+    /// its acquire if that comes first. `whole_group`: the batch is a
+    /// prompt group's every ubatch at this layer (their expert ops shared),
+    /// so none of the group needs the layer's experts after it.
+    pub fn prepare(&self, layer: u32, experts: &[u32], whole_group: bool) -> Result<Vec<u32>> {
         let sh = &*self.shared;
         for &e in experts {
             self.layer(layer, e)?;
@@ -470,7 +472,11 @@ impl Pager {
         }
         st.pending.clear();
         st.ahead_rest.retain(|r| r.layer > layer);
-        st.group_routes.batch_starts(layer);
+        if whole_group {
+            st.group_routes.all_start(layer);
+        } else {
+            st.group_routes.batch_starts(layer);
+        }
         let class = st.usable(&sh.arena, ll.class);
         let admission = {
             let State { slots, res, .. } = &mut *st;

@@ -81,6 +81,17 @@ impl GroupRoutes {
         self.later = Some((layer, later));
     }
 
+    /// The group's ubatches compute `layer`'s experts all at once (their
+    /// expert ops shared): none of them needs one after.
+    pub fn all_start(&mut self, layer: u32) {
+        if let Some(owed) = self.owed.get_mut(&layer) {
+            owed.values_mut().for_each(|n| *n = 0);
+        }
+        let n = self.announced.get(&layer).map_or(0, Vec::len);
+        self.started.insert(layer, n);
+        self.later = Some((layer, HashSet::new()));
+    }
+
     /// Whether a ubatch after the one computing `layer` routes to `expert`
     /// there: reading a miss into its slot would have that ubatch read it
     /// again.
@@ -127,5 +138,19 @@ mod tests {
         assert!(r.needed(4, 7) && r.needed(4, 8));
         r.clear();
         assert!(!r.knows(4));
+    }
+
+    #[test]
+    fn a_layer_computed_for_the_whole_group_is_needed_by_none() {
+        let mut r = GroupRoutes::default();
+        r.announce(3, None, &[1, 2]);
+        r.announce(3, None, &[2, 5]);
+        r.all_start(3);
+        assert!(r.knows(3) && !r.needed(3, 2) && !r.needed_later(3, 5));
+        assert_eq!(r.still_needed(3).count(), 0);
+        // The ubatches then announce the next layer, past this one.
+        r.announce(4, Some(3), &[7]);
+        r.announce(4, Some(3), &[8]);
+        assert!(!r.needed(3, 1) && r.needed(4, 7));
     }
 }

@@ -4,6 +4,12 @@
 //! layer starts the step with all of the group's tokens, and its last
 //! ubatch's last paged layer ends it, so the phases and the `-ub` hint see a
 //! group as one batch.
+//!
+//! Where the arena is smaller than a layer's experts, a group's ubatches
+//! share their expert ops: the first ubatch's op computes the layer's
+//! experts for all of them, each expert read once, and keeps each later
+//! ubatch's output (its op's size) for that ubatch's op to copy. Those
+//! outputs are memory the group holds, counted with what it stages.
 
 /// The group being computed.
 #[derive(Clone, Copy, Debug)]
@@ -12,12 +18,15 @@ struct Group {
     tokens: u64,
     started: u32,
     ended: u32,
+    shares: bool,
 }
 
 /// Groups computed so far, and the one in progress.
 #[derive(Debug, Default)]
 pub struct Groups {
     current: Option<Group>,
+    /// Whether the group being staged shares its expert ops.
+    staging_shares: bool,
     counts: GroupCounts,
 }
 
@@ -35,25 +44,55 @@ pub struct GroupCounts {
     pub refused: u64,
     /// The most the arena lent a group's staged ubatches.
     pub lent_bytes: u64,
+    /// Groups whose ubatches shared their expert ops, and the layers whose
+    /// experts a first ubatch's op computed for its whole group.
+    pub shared: u64,
+    pub shared_layers: u64,
 }
 
 impl Groups {
     /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
     pub fn begin(&mut self, ubatches: u32, tokens: u64) {
-        self.current = Some(Group { ubatches, tokens, started: 0, ended: 0 });
+        let shares = self.staging_shares;
+        self.current = Some(Group { ubatches, tokens, started: 0, ended: 0, shares });
         self.counts.computed += 1;
         self.counts.ubatches += u64::from(ubatches);
+        self.counts.shared += u64::from(shares);
+    }
+
+    /// The group being staged shares its expert ops (`shares`), or not:
+    /// decided when its first ubatch is staged.
+    pub fn stage(&mut self, shares: bool) {
+        self.staging_shares = shares;
+    }
+
+    /// Whether the group being staged shares its expert ops.
+    pub fn staging_shares(&self) -> bool {
+        self.staging_shares
+    }
+
+    /// Whether the group being computed shares its expert ops.
+    pub fn shares(&self) -> bool {
+        self.current.is_some_and(|g| g.shares)
+    }
+
+    /// A first ubatch's op computed a layer's experts for its whole group.
+    pub fn layer_shared(&mut self) {
+        self.counts.shared_layers += 1;
     }
 
     /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
     /// another within `allowance` bytes (the next about as large as the
     /// ones before). With `n_staged` 0, `bytes` are what the first would
     /// hold: it is staged only where a second fits too (a group of one
-    /// reads nothing less than stock's order and holds more).
-    pub fn room(&mut self, n_staged: u32, bytes: u64, allowance: u64) -> bool {
-        let room = Self::needs(n_staged, bytes) <= allowance;
+    /// reads nothing less than stock's order and holds more). A group that
+    /// shares its expert ops also holds `op_out` for each ubatch after the
+    /// first.
+    pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
+        let op_out = if self.staging_shares { op_out } else { 0 };
+        let room = Self::needs(n_staged, bytes, op_out) <= allowance;
         if room || n_staged > 0 {
-            self.counts.peak_bytes = self.counts.peak_bytes.max(bytes);
+            self.counts.peak_bytes = self.counts.peak_bytes.max(bytes + op_out * u64::from(n_staged.saturating_sub(1)));
         } else {
             self.counts.refused += 1;
         }
@@ -61,10 +100,11 @@ impl Groups {
     }
 
     /// What a group whose `n_staged` ubatches hold `bytes` holds once it
-    /// stages one more, about as large as those before.
-    pub fn needs(n_staged: u32, bytes: u64) -> u64 {
+    /// stages one more, about as large as those before, with `op_out` kept
+    /// for each ubatch after the first.
+    pub fn needs(n_staged: u32, bytes: u64, op_out: u64) -> u64 {
         let next = if n_staged == 0 { bytes } else { bytes / u64::from(n_staged) };
-        bytes + next
+        bytes + next + op_out * u64::from(n_staged.max(1))
     }
 
     /// The arena lends the group `bytes` in all.
@@ -121,12 +161,28 @@ mod tests {
     fn a_group_stages_what_its_allowance_holds() {
         // The first counts twice (a group of one is not staged); the next
         // is taken as large as the average of those before.
-        assert_eq!((Groups::needs(0, 10), Groups::needs(3, 30)), (20, 40));
+        assert_eq!((Groups::needs(0, 10, 0), Groups::needs(3, 30, 0)), (20, 40));
         let mut g = Groups::default();
         // Ubatches of 10 bytes in 35: three fit, a fourth would not.
-        assert!(g.room(0, 10, 35) && g.room(1, 10, 35) && g.room(2, 20, 35));
-        assert!(!g.room(3, 30, 35));
+        assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && g.room(2, 20, 5, 35));
+        assert!(!g.room(3, 30, 5, 35));
         assert_eq!(g.counts.peak_bytes, 30);
+    }
+
+    #[test]
+    fn a_group_that_shares_its_expert_ops_holds_each_later_ubatchs_output() {
+        // Two ubatches of 10 bytes and one output of 5 kept: 25; three, 40.
+        assert_eq!((Groups::needs(0, 10, 5), Groups::needs(1, 10, 5), Groups::needs(2, 20, 5)), (25, 25, 40));
+        let mut g = Groups::default();
+        g.stage(true);
+        assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && !g.room(2, 20, 5, 35));
+        assert_eq!(g.counts.peak_bytes, 25);
+        g.begin(2, 1024);
+        assert!(g.shares());
+        g.layer_shared();
+        g.end();
+        assert!(!g.shares());
+        assert_eq!((g.counts.shared, g.counts.shared_layers), (1, 1));
     }
 
     #[test]
@@ -134,9 +190,9 @@ mod tests {
         let mut g = Groups::default();
         // 20 bytes each in 35: the first is not staged (the batch is
         // computed as stock), and is no peak.
-        assert!(!g.room(0, 20, 35));
+        assert!(!g.room(0, 20, 0, 35));
         assert_eq!((g.counts.peak_bytes, g.counts.refused), (0, 1));
-        assert!(g.room(0, 17, 35));
+        assert!(g.room(0, 17, 0, 35));
         assert_eq!(g.counts.peak_bytes, 17);
     }
 }

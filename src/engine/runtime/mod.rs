@@ -608,7 +608,12 @@ impl Runtime {
     /// again (but not every expert of the model) lends the rest for the
     /// group (`pressure::Watch::lend`): its ubatches still find a layer's
     /// experts, and the batch is read once rather than once per group.
-    pub fn group_room(&self, n_staged: u32, bytes: u64) -> bool {
+    ///
+    /// An arena smaller than a layer's experts cannot keep them for the
+    /// group's later ubatches: there the group shares its expert ops (see
+    /// `groups`), which needs only a few slots, so the arena lends all but
+    /// two layers' top-k. `op_out` is what each later ubatch then keeps.
+    pub fn group_room(&self, n_staged: u32, bytes: u64, op_out: u64) -> bool {
         let reserve = match self.pager.get() {
             Some((_, plan)) => plan.reserve,
             None => self.options.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(self.budget)),
@@ -621,22 +626,47 @@ impl Runtime {
             let _ = self.pager_if_ready(top_k, None);
         }
         let room = self.with_watch(|watch, pager, plan| {
+            let mut groups = self.lock_groups();
+            if n_staged == 0 {
+                groups.stage(self.shares_expert_ops(pager));
+                // What a group stages and keeps goes back to the system when
+                // it ends, before the arena fills again what it lent.
+                crate::engine::memory::budget::return_large_frees();
+            }
             // An arena of every expert reads nothing again however the
             // batch is cut: it keeps its experts rather than lend.
-            let floor = pager.layout().largest_layer_bytes() * 3 / 2;
+            let floor = if groups.staging_shares() { pager.layout().min_arena_bytes(plan.top_k) * 2 } else { pager.layout().largest_layer_bytes() * 3 / 2 };
             let lendable = if pager.holds_every_expert() { 0 } else { watch.lendable(floor) };
-            let mut groups = self.lock_groups();
-            if !groups.room(n_staged, bytes, allowance + lendable) {
+            if !groups.room(n_staged, bytes, op_out, allowance + lendable) {
                 return false;
             }
-            let more = groups::Groups::needs(n_staged, bytes).saturating_sub(allowance + watch.lent());
+            let op_out = if groups.staging_shares() { op_out } else { 0 };
+            let more = groups::Groups::needs(n_staged, bytes, op_out).saturating_sub(allowance + watch.lent());
             if more > 0 {
                 watch.lend(more, pager, plan.top_k);
                 groups.lent(watch.lent());
             }
             true
         });
-        room.unwrap_or_else(|| self.lock_groups().room(n_staged, bytes, allowance))
+        room.unwrap_or_else(|| self.lock_groups().room(n_staged, bytes, op_out, allowance))
+    }
+
+    /// Whether a prompt group's ubatches share their expert ops: where its
+    /// layers' experts are one op (`moe::shares_expert_ops`) and the arena
+    /// holds fewer than a layer's experts (`SDQ_GROUP_SHARE` decides
+    /// instead where set).
+    fn shares_expert_ops(&self, pager: &Pager) -> bool {
+        crate::engine::moe::fused_layers_built() && self.options.group_share.unwrap_or_else(|| !pager.holds_a_layer())
+    }
+
+    /// Whether the group being computed shares its expert ops.
+    pub fn group_shares(&self) -> bool {
+        self.lock_groups().shares()
+    }
+
+    /// A first ubatch's op computed a layer's experts for its whole group.
+    pub fn on_layer_shared(&self) {
+        self.lock_groups().layer_shared();
     }
 
     /// A graph staged for a prompt group computes experts `top_k` at a time.

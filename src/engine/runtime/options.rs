@@ -35,6 +35,10 @@ pub struct Options {
     /// layer (`SDQ_GROUP`; 1 computes them one at a time, as stock). None:
     /// all of a decode's, where the arena holds a layer's experts.
     pub group: Option<u32>,
+    /// Whether a prompt group's first ubatch computes each layer's experts
+    /// for the whole group (`SDQ_GROUP_SHARE`); None: where the arena holds
+    /// fewer than a layer's experts.
+    pub group_share: Option<bool>,
     /// Read experts with O_DIRECT where the file system allows (`SDQ_DIRECT_IO`, default on).
     pub direct_io: Option<bool>,
     /// When the arena's pages are faulted in (`SDQ_POPULATE`: 0, 1, idle or ahead).
@@ -177,6 +181,7 @@ impl Options {
                 _ => return Err(Error::flag("SDQ_GROUP", format!("SDQ_GROUP: '{v}' is not a number of ubatches from 1 to 4096"))),
             });
         }
+        o.group_share = switch(&env, "SDQ_GROUP_SHARE")?;
         o.direct_io = switch(&env, "SDQ_DIRECT_IO")?;
         o.populate = match env("SDQ_POPULATE").filter(|v| !v.is_empty()) {
             None => None,
@@ -314,7 +319,9 @@ impl Options {
         if let Some(p) = self.pages {
             env.push(("SDQ_HUGEPAGES", p.name().to_string()));
         }
-        for (name, value) in [("SDQ_PREFETCH", self.prefetch), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_PRELOAD", self.preload)] {
+        for (name, value) in
+            [("SDQ_PREFETCH", self.prefetch), ("SDQ_GROUP_SHARE", self.group_share), ("SDQ_DIRECT_IO", self.direct_io), ("SDQ_PRELOAD", self.preload)]
+        {
             if let Some(on) = value {
                 env.push((name, if on { "1" } else { "0" }.to_string()));
             }
@@ -390,6 +397,7 @@ mod tests {
             read_backoff_ms: Some(10),
             prefetch: Some(false),
             group: Some(4),
+            group_share: Some(true),
             direct_io: Some(true),
             populate: Some(crate::engine::pager::Populate::Idle),
             pages: Some(crate::engine::pager::PageChoice::Small),

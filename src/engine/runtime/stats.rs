@@ -186,8 +186,15 @@ impl Runtime {
         });
         // A prompt's ubatches computed together, layer by layer.
         let g = self.groups_computed();
-        let groups =
-            json!({ "groups": g.computed, "ubatches": g.ubatches, "peak_bytes": g.peak_bytes, "no_room": g.refused, "arena_lent_bytes": g.lent_bytes });
+        let groups = json!({
+            "groups": g.computed,
+            "ubatches": g.ubatches,
+            "peak_bytes": g.peak_bytes,
+            "no_room": g.refused,
+            "arena_lent_bytes": g.lent_bytes,
+            "shared": g.shared,
+            "shared_layers": g.shared_layers,
+        });
         v.as_object_mut().expect("object").insert("prompt_groups".into(), groups);
         if let Some((pager, plan)) = self.pager.latest() {
             let c = pager.counts();
