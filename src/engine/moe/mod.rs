@@ -496,11 +496,16 @@ unsafe fn copy_out(dst: &mut sys::ggml_tensor, out: *const u8, len: usize, ith: 
         if sys::ggml_nbytes(dst) != len {
             fatal("a shared expert op's output differs in size from its ubatch's");
         }
-        let chunk = len.div_ceil(nth);
-        let start = (ith * chunk).min(len);
-        let end = (start + chunk).min(len);
-        std::ptr::copy_nonoverlapping(out.add(start), (dst.data as *mut u8).add(start), end - start);
+        let share = thread_share(len, ith, nth);
+        std::ptr::copy_nonoverlapping(out.add(share.start), (dst.data as *mut u8).add(share.start), share.len());
     }
+}
+
+/// Thread `ith` of `nth`'s share of `bytes` bytes written by all of them.
+fn thread_share(bytes: usize, ith: usize, nth: usize) -> std::ops::Range<usize> {
+    let chunk = bytes.div_ceil(nth);
+    let start = (ith * chunk).min(bytes);
+    start..(start + chunk).min(bytes)
 }
 
 /// A ubatch of `n_tokens` reaches the first paged layer: a step starts,
@@ -536,12 +541,23 @@ struct CustomOpParams {
 /// # Safety
 /// `node` must be a valid tensor of a graph.
 unsafe fn is_fused(node: &sys::ggml_tensor) -> bool {
+    // SAFETY: per this function's contract.
+    unsafe { custom_op(node) }.is_some_and(|(fun, _)| fun == paged_moe_experts as *const () as usize)
+}
+
+/// A custom op node's function (as an address) and userdata, or None for
+/// any other node.
+///
+/// # Safety
+/// `node` must be a valid tensor of a graph.
+unsafe fn custom_op(node: &sys::ggml_tensor) -> Option<(usize, *mut c_void)> {
     if node.op != sys::GGML_OP_CUSTOM {
-        return false;
+        return None;
     }
-    // SAFETY: as in `expert_op`.
+    // SAFETY: a GGML_OP_CUSTOM node's op_params start with ggml's
+    // ggml_custom_op_params (op_params is 64 bytes, aligned for pointers).
     let params = unsafe { &*(node.op_params.as_ptr() as *const CustomOpParams) };
-    params.fun.map(|f| f as usize) == Some(paged_moe_experts as *const () as usize)
+    Some((params.fun? as usize, params.userdata))
 }
 
 /// sdq's expert op that graph node `node` is, if it is one: its layer and
@@ -550,21 +566,16 @@ unsafe fn is_fused(node: &sys::ggml_tensor) -> bool {
 /// # Safety
 /// `node` must be a valid tensor of a graph.
 unsafe fn expert_op(node: &sys::ggml_tensor) -> Option<(u32, &sys::ggml_tensor)> {
-    if node.op != sys::GGML_OP_CUSTOM {
-        return None;
-    }
-    // SAFETY: a GGML_OP_CUSTOM node's op_params start with ggml's
-    // ggml_custom_op_params (op_params is 64 bytes, aligned for pointers).
-    let params = unsafe { &*(node.op_params.as_ptr() as *const CustomOpParams) };
-    let fun = params.fun.map(|f| f as usize);
+    // SAFETY: per this function's contract.
+    let (fun, userdata) = unsafe { custom_op(node) }?;
     // SAFETY: sdq's ops were built with these userdata (hooks::mul_mat_id,
     // hooks::moe_experts), leaked for the process's lifetime, and sources
     // 2 (matmul) and 4 (fused) are their ids.
     unsafe {
-        if fun == Some(paged_moe_experts as *const () as usize) {
-            Some(((*(params.userdata as *const PagedExperts)).layer, &*node.src[4]))
-        } else if fun == Some(paged_mul_mat_id as *const () as usize) {
-            Some(((*(params.userdata as *const PagedMatmul)).layer, &*node.src[2]))
+        if fun == paged_moe_experts as *const () as usize {
+            Some(((*(userdata as *const PagedExperts)).layer, &*node.src[4]))
+        } else if fun == paged_mul_mat_id as *const () as usize {
+            Some(((*(userdata as *const PagedMatmul)).layer, &*node.src[2]))
         } else {
             None
         }
@@ -631,11 +642,8 @@ unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u
     // SAFETY: dst is contiguous (a custom op's output), so its bytes are
     // ggml_nbytes from data; each thread writes its own chunk.
     unsafe {
-        let bytes = sys::ggml_nbytes(dst);
-        let chunk = bytes.div_ceil(nth);
-        let start = (ith * chunk).min(bytes);
-        let end = (start + chunk).min(bytes);
-        std::ptr::write_bytes((dst.data as *mut u8).add(start), 0, end - start);
+        let share = thread_share(sys::ggml_nbytes(dst), ith, nth);
+        std::ptr::write_bytes((dst.data as *mut u8).add(share.start), 0, share.len());
     }
 }
 

@@ -104,32 +104,28 @@ pub unsafe fn group_layer(nodes: &[*mut sys::ggml_tensor], kept: &[*const c_void
         log::debug!("a prompt group's {} ubatches reach a layer, not shared (shares: {shares})", nodes.len());
         return;
     }
+    // Every op must be a whole layer's, each later one with its input
+    // and routing kept aside.
     let srcs = sys::GGML_MAX_SRC as usize;
+    let kept_at = |i: usize| (kept[i * srcs + 3] as usize, kept[i * srcs + 4] as usize);
+    // SAFETY: per this function's contract, each node is a valid graph node.
+    if let Some(i) = nodes.iter().position(|&n| !unsafe { super::is_fused(&*n) }) {
+        log::debug!("a prompt group's ubatch {i} has no whole-layer expert op: the layer is not shared");
+        return;
+    }
+    if let Some(i) = (1..nodes.len()).find(|&i| kept_at(i).0 == 0 || kept_at(i).1 == 0) {
+        log::debug!("a prompt group's ubatch {i} does not keep its expert input aside: the layer is not shared");
+        return;
+    }
     let mut members = Vec::with_capacity(nodes.len());
-    for (i, &node) in nodes.iter().enumerate() {
-        // SAFETY: per this function's contract.
-        let node_ref = unsafe { &*node };
-        // SAFETY: node_ref is a valid graph node.
-        if !unsafe { super::is_fused(node_ref) } {
-            st.spare.extend(members.into_iter().map(|m: Member| m.out).filter(|b| !b.is_empty()));
-            return;
-        }
-        let (input, routing) = (kept[i * srcs + 3] as usize, kept[i * srcs + 4] as usize);
-        if i > 0 && (input == 0 || routing == 0) {
-            log::debug!("a prompt group's ubatch {i} does not keep its expert input aside: the layer is not shared");
-            st.spare.extend(members.into_iter().map(|m: Member| m.out).filter(|b| !b.is_empty()));
-            return;
-        }
-        let out = if i == 0 {
-            Vec::new()
-        } else {
-            // SAFETY: node is a valid tensor (this function's contract).
-            let bytes = unsafe { sys::ggml_nbytes(node_ref) };
-            let mut buf = st.spare.pop().unwrap_or_default();
-            buf.resize(bytes, 0);
-            buf
-        };
-        members.push(Member { node: node as usize, input: if i == 0 { 0 } else { input }, routing: if i == 0 { 0 } else { routing }, out });
+    members.push(Member { node: nodes[0] as usize, input: 0, routing: 0, out: Vec::new() });
+    for (i, &node) in nodes.iter().enumerate().skip(1) {
+        // SAFETY: node is a valid tensor (this function's contract).
+        let bytes = unsafe { sys::ggml_nbytes(node) };
+        let mut out = st.spare.pop().unwrap_or_default();
+        out.resize(bytes, 0);
+        let (input, routing) = kept_at(i);
+        members.push(Member { node: node as usize, input, routing, out });
     }
     log::debug!("a prompt group's {} ubatches share their expert op at layer {}", members.len(), {
         // SAFETY: nodes[0] is a valid fused op (checked above).

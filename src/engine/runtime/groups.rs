@@ -89,14 +89,20 @@ impl Groups {
     /// shares its expert ops also holds `op_out` for each ubatch after the
     /// first.
     pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
+        let room = self.staging_needs(n_staged, bytes, op_out) <= allowance;
         let op_out = if self.staging_shares { op_out } else { 0 };
-        let room = Self::needs(n_staged, bytes, op_out) <= allowance;
         if room || n_staged > 0 {
             self.counts.peak_bytes = self.counts.peak_bytes.max(bytes + op_out * u64::from(n_staged.saturating_sub(1)));
         } else {
             self.counts.refused += 1;
         }
         room
+    }
+
+    /// `needs` for the group being staged: `op_out` counts only where it
+    /// shares its expert ops.
+    pub fn staging_needs(&self, n_staged: u32, bytes: u64, op_out: u64) -> u64 {
+        Self::needs(n_staged, bytes, if self.staging_shares { op_out } else { 0 })
     }
 
     /// What a group whose `n_staged` ubatches hold `bytes` holds once it

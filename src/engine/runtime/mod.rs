@@ -640,8 +640,7 @@ impl Runtime {
             if !groups.room(n_staged, bytes, op_out, allowance + lendable) {
                 return false;
             }
-            let op_out = if groups.staging_shares() { op_out } else { 0 };
-            let more = groups::Groups::needs(n_staged, bytes, op_out).saturating_sub(allowance + watch.lent());
+            let more = groups.staging_needs(n_staged, bytes, op_out).saturating_sub(allowance + watch.lent());
             if more > 0 {
                 watch.lend(more, pager, plan.top_k);
                 groups.lent(watch.lent());
