@@ -97,7 +97,8 @@ def limited(cmd, budget, rate, tmp, env, timeout):
         row.update(bytes_read=s["prompt"]["bytes_read"], touched_bytes=s["prompt"]["touched_bytes"], groups=s["prompt_groups"]["groups"],
                    grouped_ubatches=s["prompt_groups"]["ubatches"], group_peak_bytes=s["prompt_groups"].get("peak_bytes"), arena_bytes=s.get("arena_bytes"), peak_rss_anon=s["peak_rss_anon_bytes"],
                    decode_mib_per_token=s["decode"]["mib_read_per_token"], decode_seconds=s["decode"]["seconds"], decode_steps=s["decode"]["steps"],
-                   read_wait_seconds=s.get("read_wait_seconds"), convert_seconds=s.get("convert_seconds"))
+                   read_wait_seconds=s.get("read_wait_seconds"), prompt_read_wait_seconds=s["prompt"].get("read_wait_seconds"),
+                   convert_seconds=s.get("convert_seconds"))
     if code != 0:
         row["stderr_tail"] = err[-1500:]
     return row

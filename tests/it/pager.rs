@@ -338,6 +338,10 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     let waited = |v: &Value| v["read_wait_seconds"].as_f64().unwrap();
     let by_layer: f64 = layers.iter().map(waited).sum();
     assert!(waited(&s) > 0.0 && (by_layer - waited(&s)).abs() < 1e-3, "read_wait_seconds {} against the layers' {by_layer}: {s}", waited(&s));
+    // By phase: the one-token steps are decode's, and the phases' waits are
+    // within the whole run's.
+    let (prompt, decode) = (waited(&s["prompt"]), waited(&s["decode"]));
+    assert!(decode > 0.0 && prompt + decode <= waited(&s) + 1e-6, "read_wait_seconds by phase {prompt} + {decode} against {}: {s}", waited(&s));
     // Decoding one token at a time, the next layer's experts are predicted
     // and read ahead, and batches then use some of them.
     assert!(u(&s, "prefetched") > 0 && u(&s, "prefetch_used") > 0, "prefetch: {s}");

@@ -62,6 +62,8 @@ pub struct PagerTotals {
     pub hits: u64,
     pub misses: u64,
     pub prefetch_used: u64,
+    /// Microseconds compute threads waited for reads, summed over threads.
+    pub waited_us: u64,
 }
 
 impl std::ops::Add for PagerTotals {
@@ -73,6 +75,7 @@ impl std::ops::Add for PagerTotals {
             hits: self.hits + o.hits,
             misses: self.misses + o.misses,
             prefetch_used: self.prefetch_used + o.prefetch_used,
+            waited_us: self.waited_us + o.waited_us,
         }
     }
 }

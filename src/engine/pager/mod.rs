@@ -657,8 +657,9 @@ impl Pager {
     /// Expert bytes read, hits, misses and prefetched hits so far (cheaper than `counts`).
     pub fn totals(&self) -> PagerTotals {
         let st = self.shared.lock();
-        let (hits, misses, prefetch_used) = st.counts.values().fold((0, 0, 0), |(h, m, p), c| (h + c.hits, m + c.misses, p + c.prefetch_used));
-        PagerTotals { bytes_read: st.bytes_read, hits, misses, prefetch_used }
+        let (hits, misses, prefetch_used, waited_us) =
+            st.counts.values().fold((0, 0, 0, 0), |(h, m, p, w), c| (h + c.hits, m + c.misses, p + c.prefetch_used, w + c.waited_us));
+        PagerTotals { bytes_read: st.bytes_read, hits, misses, prefetch_used, waited_us }
     }
 
     /// Counts so far.

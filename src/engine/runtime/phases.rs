@@ -37,6 +37,9 @@ pub struct PhaseTotals {
     /// Prompt steps: the bytes of the distinct experts each prompt touched,
     /// summed over prompts (what reading each of them once would read).
     pub touched_bytes: u64,
+    /// Microseconds the expert ops' threads waited for reads, summed over
+    /// threads: the reads the phase did not hide behind its compute.
+    pub waited_us: u64,
 }
 
 impl PhaseTotals {
@@ -57,6 +60,7 @@ impl PhaseTotals {
             "held_rate": share(self.hits - self.prefetch_used.min(self.hits)),
             "seconds": self.seconds,
             "touched_bytes": self.touched_bytes,
+            "read_wait_seconds": self.waited_us as f64 / 1e6,
             "mib_read_per_token": if self.tokens > 0 { self.bytes_read as f64 / MIB / self.tokens as f64 } else { 0.0 },
             "tokens_per_second": if self.seconds > 0.0 { self.tokens as f64 / self.seconds } else { 0.0 },
             "mib_read_per_second": if self.seconds > 0.0 { self.bytes_read as f64 / MIB / self.seconds } else { 0.0 },
@@ -297,6 +301,7 @@ impl PhaseClock {
         t.hits += pager.hits.saturating_sub(open.at_start.hits);
         t.misses += pager.misses.saturating_sub(open.at_start.misses);
         t.prefetch_used += pager.prefetch_used.saturating_sub(open.at_start.prefetch_used);
+        t.waited_us += pager.waited_us.saturating_sub(open.at_start.waited_us);
         t.seconds += end.saturating_duration_since(open.started).as_secs_f64();
     }
 
@@ -316,7 +321,7 @@ mod tests {
     fn steps_are_summed_by_phase_and_idle_gaps_left_out() {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
-        let p = |bytes_read, hits, misses| PagerTotals { bytes_read, hits, misses, prefetch_used: hits / 2 };
+        let p = |bytes_read, hits, misses| PagerTotals { bytes_read, hits, misses, prefetch_used: hits / 2, waited_us: misses * 10 };
         let mut c = PhaseClock::default();
         c.step_started(512, p(0, 0, 0), at(0)); // a prompt ubatch
         c.step_ended(at(900));
@@ -329,6 +334,7 @@ mod tests {
         let (prompt, decode) = c.totals(p(1700, 13, 14), at(6400));
         assert_eq!((prompt.steps, prompt.tokens, prompt.bytes_read, prompt.hits, prompt.misses), (2, 519, 1100, 6, 12));
         assert_eq!((decode.hits, decode.misses, decode.prefetch_used), (7, 2, 4));
+        assert_eq!((prompt.waited_us, decode.waited_us), (120, 20));
         assert!((prompt.seconds - 1.1).abs() < 1e-9, "{prompt:?}");
         assert_eq!((decode.steps, decode.tokens, decode.bytes_read), (2, 2, 600));
         // 0.2 s for the first decode step, 0.1 s (to its last layer) for the second.
