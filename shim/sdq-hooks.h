@@ -162,9 +162,11 @@ struct sdq_hooks {
      * (sdq-pieces.h); 0 or 1 computes them one at a time, as stock. */
     uint32_t (*group_size)(void * user_data, uint32_t n_ubatches, uint32_t n_ubatch);
     /* Context: the next `n_ubatches` ubatches (`n_tokens` tokens) are
-     * computed together, as one step; group_ends follows when they are
-     * computed or failed (it may also follow a group that never began). */
-    void (*group_begins)(void * user_data, uint32_t n_ubatches, uint32_t n_tokens);
+     * computed together, as one step, their staging holding `bytes` and
+     * their expert ops' largest output `op_out` (as group_room says);
+     * group_ends follows when they are computed or failed (it may also
+     * follow a group that never began). */
+    void (*group_begins)(void * user_data, uint32_t n_ubatches, uint32_t n_tokens, size_t bytes, size_t op_out);
     /* Context: `n_staged` ubatches of a group are staged, holding `bytes`
      * (their graphs and what they keep aside): true if another may be
      * staged, false to compute these now. With `n_staged` 0, `bytes` are

@@ -107,10 +107,10 @@ extern "C" fn group_size(_: *mut c_void, n_ubatches: u32, _n_ubatch: u32) -> u32
     guard_or("group_size", During::Batch, 1, || runtime::get().map_or(1, |rt| rt.group_size(n_ubatches)))
 }
 
-extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32) {
+extern "C" fn group_begins(_: *mut c_void, n_ubatches: u32, n_tokens: u32, bytes: usize, op_out: usize) {
     guard("group_begins", || {
         if let Some(rt) = runtime::get() {
-            rt.on_group_begins(n_ubatches, u64::from(n_tokens));
+            rt.on_group_begins(n_ubatches, u64::from(n_tokens), bytes as u64, op_out as u64);
         }
     })
 }

@@ -51,9 +51,13 @@ pub struct GroupCounts {
 }
 
 impl Groups {
-    /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
-    pub fn begin(&mut self, ubatches: u32, tokens: u64) {
+    /// The next `ubatches` ubatches (`tokens` tokens) are computed
+    /// together, staged in `bytes`; a group that shares its expert ops also
+    /// keeps `op_out` for each ubatch after the first.
+    pub fn begin(&mut self, ubatches: u32, tokens: u64, bytes: u64, op_out: u64) {
         let shares = self.staging_shares;
+        let kept = if shares { op_out * u64::from(ubatches.saturating_sub(1)) } else { 0 };
+        self.counts.peak_bytes = self.counts.peak_bytes.max(bytes + kept);
         self.current = Some(Group { ubatches, tokens, started: 0, ended: 0, shares });
         self.counts.computed += 1;
         self.counts.ubatches += u64::from(ubatches);
@@ -90,10 +94,7 @@ impl Groups {
     /// first.
     pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
         let room = self.staging_needs(n_staged, bytes, op_out) <= allowance;
-        let op_out = if self.staging_shares { op_out } else { 0 };
-        if room || n_staged > 0 {
-            self.counts.peak_bytes = self.counts.peak_bytes.max(bytes + op_out * u64::from(n_staged.saturating_sub(1)));
-        } else {
+        if !room && n_staged == 0 {
             self.counts.refused += 1;
         }
         room
@@ -153,7 +154,7 @@ mod tests {
         let mut g = Groups::default();
         assert_eq!(g.step_starts(7), Some(7));
         assert!(g.step_ends());
-        g.begin(3, 1200);
+        g.begin(3, 1200, 0, 0);
         // Layer by layer: all three start before any ends.
         assert_eq!((g.step_starts(512), g.step_starts(512), g.step_starts(176)), (Some(1200), None, None));
         assert_eq!((g.step_ends(), g.step_ends(), g.step_ends()), (false, false, true));
@@ -172,7 +173,10 @@ mod tests {
         // Ubatches of 10 bytes in 35: three fit, a fourth would not.
         assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && g.room(2, 20, 5, 35));
         assert!(!g.room(3, 30, 5, 35));
-        assert_eq!(g.counts.peak_bytes, 30);
+        // The three staged hold 32 once the last is: its peak, as it begins.
+        assert_eq!(g.counts.peak_bytes, 0);
+        g.begin(3, 1200, 32, 5);
+        assert_eq!(g.counts.peak_bytes, 32);
     }
 
     #[test]
@@ -182,8 +186,9 @@ mod tests {
         let mut g = Groups::default();
         g.stage(true);
         assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && !g.room(2, 20, 5, 35));
+        // The two staged, and the second's output kept.
+        g.begin(2, 1024, 20, 5);
         assert_eq!(g.counts.peak_bytes, 25);
-        g.begin(2, 1024);
         assert!(g.shares());
         g.layer_shared();
         g.end();
@@ -199,6 +204,6 @@ mod tests {
         assert!(!g.room(0, 20, 0, 35));
         assert_eq!((g.counts.peak_bytes, g.counts.refused), (0, 1));
         assert!(g.room(0, 17, 0, 35));
-        assert_eq!(g.counts.peak_bytes, 17);
+        assert_eq!(g.counts.refused, 1);
     }
 }

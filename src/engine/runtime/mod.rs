@@ -593,9 +593,11 @@ impl Runtime {
         n_ubatches.min(cap)
     }
 
-    /// The next `ubatches` ubatches (`tokens` tokens) are computed together.
-    pub fn on_group_begins(&self, ubatches: u32, tokens: u64) {
-        self.lock_groups().begin(ubatches, tokens);
+    /// The next `ubatches` ubatches (`tokens` tokens) are computed
+    /// together; they hold `bytes` staged, and `op_out` is their expert
+    /// ops' largest output.
+    pub fn on_group_begins(&self, ubatches: u32, tokens: u64, bytes: u64, op_out: u64) {
+        self.lock_groups().begin(ubatches, tokens, bytes, op_out);
     }
 
     /// Whether a group whose `n_staged` ubatches hold `bytes` may stage
