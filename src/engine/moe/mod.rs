@@ -12,8 +12,9 @@
 //! for bit, with the weights from pinned arena slots.
 //!
 //! Work is split by expert, claimed dynamically: each of ggml's threads takes
-//! the next expert nobody has taken, preferring one already in the arena,
-//! pins it, computes all of its tokens and releases it at once. In a layer's
+//! the next expert nobody has taken, preferring one already in the arena
+//! (of those, the one with the most uses, so that a call ends on small
+//! ones), pins it, computes all of its tokens and releases it at once. In a layer's
 //! first op the first thread to arrive hands all of the batch's misses to
 //! the pager's readers at once (`Pager::prepare`), so they are read in
 //! parallel while resident experts are computed, and each missing expert is
@@ -138,6 +139,11 @@ struct Call {
     taken: Vec<bool>,
     /// Every expert before this index is taken.
     first_open: usize,
+    /// The experts' indices, the most uses first: of the experts ready, a
+    /// thread takes the largest, so that the call ends on small ones rather
+    /// than one thread computing a popular expert while the others wait
+    /// for it at ggml's barrier.
+    by_work: Vec<usize>,
     /// Misses `prepare` found no slot for: their acquire reads them.
     deferred: HashSet<u32>,
     left: usize,
@@ -734,7 +740,9 @@ unsafe fn join(
                 nb2: i.nb2,
             })
             .collect();
-        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, inputs }), first_open: 0, deferred, left: 0 }
+        let mut by_work: Vec<usize> = (0..experts.len()).collect();
+        by_work.sort_by_key(|&i| std::cmp::Reverse(experts[i].1.iter().map(Vec::len).sum::<usize>()));
+        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, inputs }), first_open: 0, by_work, deferred, left: 0 }
     });
     let batch = Arc::clone(&call.batch);
     drop(calls);
@@ -772,12 +780,12 @@ fn next_expert(key: usize, nth: usize, layer: u32, pager: &Pager) -> Option<(usi
     }
     let experts = &call.batch.experts;
     let open = || (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
-    // Resident experts first, then those being read (waiting for a read in
-    // flight), and only then the misses prepare found no slot for: reading
+    // Resident experts first, the one with the most uses first; then those
+    // being read (waiting for a read in flight), and only then the misses prepare found no slot for: reading
     // one of those needs a victim, which should be an expert this batch has
     // finished with, not one it has yet to use.
     let pick = pager
-        .first_ready(layer, open().map(|i| (i, experts[i].0)))
+        .first_ready(layer, call.by_work.iter().copied().filter(|&i| !call.taken[i]).map(|i| (i, experts[i].0)))
         .or_else(|| open().find(|&i| !call.deferred.contains(&experts[i].0)))
         .or_else(|| open().next());
     match pick {
