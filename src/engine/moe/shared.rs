@@ -46,6 +46,11 @@ struct Member {
 
 #[derive(Default)]
 struct State {
+    /// The thread computing the group whose layer is shared (the one that
+    /// called `llama_decode`): a host program's other context, decoding
+    /// on another thread at the same time, computes its own experts
+    /// rather than take this group's buffers.
+    owner: Option<std::thread::ThreadId>,
     /// The layer being computed, while its experts are shared.
     members: Vec<Member>,
     /// Whether the first ubatch's op took the layer: until it has, a later
@@ -96,6 +101,12 @@ pub(super) enum Role {
 /// op has run.
 pub unsafe fn group_layer(nodes: &[*mut sys::ggml_tensor], kept: &[*const c_void]) {
     let mut st = lock();
+    let me = std::thread::current().id();
+    if st.owner.is_some_and(|o| o != me) {
+        log::debug!("a prompt group on another thread shares its expert ops: this group's {} ubatches compute their own", nodes.len());
+        return;
+    }
+    st.owner = None;
     let old = std::mem::take(&mut st.members);
     st.spare.extend(old.into_iter().map(|m| m.out).filter(|b| !b.is_empty()));
     st.taken = false;
@@ -132,6 +143,7 @@ pub unsafe fn group_layer(nodes: &[*mut sys::ggml_tensor], kept: &[*const c_void
         unsafe { super::expert_op(&*nodes[0]) }.map_or(u32::MAX, |(l, _)| l)
     });
     st.members = members;
+    st.owner = Some(me);
 }
 
 /// What op `dst` is in the layer being shared (see `Role`). The first
@@ -166,8 +178,12 @@ pub(super) unsafe fn role(dst: &sys::ggml_tensor) -> Role {
     Role::First(kept)
 }
 
-/// The group is computed (or failed): its outputs are freed.
+/// The group is computed (or failed): its outputs are freed. Not another
+/// thread's group's, which may still be computing into them.
 pub fn group_ends() {
     let mut st = lock();
+    if st.owner.is_some_and(|o| o != std::thread::current().id()) {
+        return;
+    }
     *st = State::default();
 }
