@@ -539,6 +539,65 @@ except ValueError:
     assert!(u(&s, "peak_rss_anon_bytes") <= budget && u(&s, "vm_swap_bytes") == 0 && u(&s, "misses") > 0, "{s}");
 }
 
+/// Two contexts of one model decode prompts of several ubatches at once, on
+/// two threads of one Python process, with their groups' expert ops shared
+/// (`SDQ_GROUP_SHARE=1`): each answers as llama-completion does with the same
+/// settings, every time. The shared layer's buffers belong to the group on
+/// one thread; the other thread's group computes its own experts meanwhile.
+#[test]
+fn two_contexts_decoding_prompt_groups_at_once_answer_as_stock() {
+    let python = venv();
+    let model = tiny_preset();
+    let prompt = vec![PROMPT; 24].join(", ");
+    let settings = ["-c", "512", "-b", "512", "-ub", "32", "-t", "2", "-fa", "off", "--repeat-penalty", "1"];
+    let o = run(
+        Command::new(bin("llama-completion"))
+            .args(["-m", model.to_str().unwrap(), "-p", &prompt, "-n", "12", "--top-k", "1", "-no-cnv", "--no-display-prompt"])
+            .args(settings),
+        300,
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let want = stdout(&o).trim_end().to_string();
+    let script = r#"
+import sys, threading
+from llama_cpp import Llama
+path, prompt = sys.argv[1:3]
+kw = dict(n_ctx=512, n_batch=512, n_ubatch=32, n_threads=2, flash_attn=False, verbose=False, seed=1)
+llms = [Llama(model_path=path, **kw) for _ in range(2)]
+texts = [[], []]
+def work(i):
+    for _ in range(3):
+        llms[i].reset()
+        out = llms[i].create_completion(prompt, max_tokens=12, top_k=1, temperature=0.0, repeat_penalty=1.0)
+        texts[i].append(out["choices"][0]["text"])
+threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+for t in threads: t.start()
+for t in threads: t.join()
+for i in range(2):
+    for j, t in enumerate(texts[i]):
+        sys.stdout.write("%d.%d: %s\n@@\n" % (i, j, t))
+"#;
+    let stats = scratch().join("library-two-threads-stats.json");
+    let _ = std::fs::remove_file(&stats);
+    let o = run(
+        Command::new(&python).args(["-c", script, model.to_str().unwrap(), &prompt]).env("LLAMA_CPP_LIB_PATH", lib_dir()).envs([
+            ("SDQ_RAM_BUDGET", "400M"),
+            ("SDQ_GROUP_SHARE", "1"),
+            ("SDQ_PRELOAD", "0"),
+            ("SDQ_STATS_FILE", stats.to_str().unwrap()),
+        ]),
+        300,
+    );
+    let out = stdout(&o);
+    assert!(o.status.success(), "{out}{}", stderr(&o));
+    for label in ["0.0", "0.1", "0.2", "1.0", "1.1", "1.2"] {
+        assert_eq!(labelled(&out, label).as_ref(), Some(&want), "context {label}: {out}");
+    }
+    let s: Value = read_json(&stats);
+    let g = &s["prompt_groups"];
+    assert!(u(g, "groups") >= 2 && u(g, "shared") > 0 && u(g, "shared_layers") > 0, "the prompts were not shared groups: {s}");
+}
+
 /// With `MTMD_CPP_LIB` at sdq's libmtmd.so, a chat with an image on the
 /// generated MiniCPM-V projector answers as llama-mtmd-cli does, under a
 /// budget whose arena is a few slots (the run's own minimum plus 2 MiB: at

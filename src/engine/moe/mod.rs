@@ -147,6 +147,38 @@ struct Call {
     /// Misses `prepare` found no slot for: their acquire reads them.
     deferred: HashSet<u32>,
     left: usize,
+    /// Threads between joining the call and leaving it: none, with some
+    /// never left, is a call a failed graph left (see `forget_left_calls`).
+    inside: usize,
+}
+
+/// A thread's part in a call, from `join` until it leaves: a thread that
+/// unwinds out of the op (a panic, or an error inside a host program) is
+/// counted out when this drops, so that the call goes with its last thread.
+struct Participant {
+    key: usize,
+    nth: usize,
+    left: bool,
+}
+
+impl Drop for Participant {
+    fn drop(&mut self) {
+        if !self.left {
+            let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
+            leave(&mut calls, self.key, self.nth);
+        }
+    }
+}
+
+/// This thread leaves call `key`: the last of its `nth` threads removes it.
+fn leave(calls: &mut HashMap<usize, Call>, key: usize, nth: usize) {
+    if let Some(call) = calls.get_mut(&key) {
+        call.left += 1;
+        call.inside = call.inside.saturating_sub(1);
+        if call.left >= nth {
+            calls.remove(&key);
+        }
+    }
 }
 
 fn calls() -> &'static Mutex<HashMap<usize, Call>> {
@@ -160,14 +192,17 @@ pub fn forget_predictions() {
     predictions().lock().unwrap_or_else(|p| p.into_inner()).clear();
 }
 
-/// Forgets the calls a failed graph left (called between graphs, when no op
-/// runs): a thread whose op panicked left its call without counting itself
-/// out, and the next graph's op at the same address must not join it.
+/// Forgets the calls a failed graph left (called before a context's next
+/// ubatch): one whose threads have all left but one that never joined,
+/// which the next graph's op at the same address must not join. Not a call
+/// some thread is inside: another context's, computing on another thread
+/// of a host program.
 pub fn forget_left_calls() {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
-    if !calls.is_empty() {
-        log::debug!("{} expert op call(s) of a failed graph forgotten", calls.len());
-        calls.clear();
+    let before = calls.len();
+    calls.retain(|_, c| c.inside > 0);
+    if calls.len() < before {
+        log::debug!("{} expert op call(s) of a failed graph forgotten", before - calls.len());
     }
 }
 
@@ -353,10 +388,10 @@ unsafe fn compute(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: &Paged
     let input = Input { ids, b, out: dst.data.cast(), nb1: dst.nb[1], nb2: dst.nb[2] };
     // SAFETY: ids is the I32 [n_used, n_tokens] routing of this call and b
     // its F32 input with contiguous rows (checked when the op was built).
-    let batch = unsafe { join(key, op.layer, &op.name, starts_layer, false, starts, &op.kernels, &[input], pager) };
+    let (batch, me) = unsafe { join(key, op.layer, &op.name, starts_layer, false, starts, &op.kernels, &[input], pager, nth) };
     let matmul = ExpertMatmul::new(&op.kernels, w, op.layout, nth);
     WORKSPACE.with_borrow_mut(|ws| {
-        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, uses| {
+        for_each_pinned(me, op.layer, pager, &batch, |expert, uses| {
             // SAFETY: the part is this expert's rows; the activations are b
             // converted (by join's caller) in stock's layout; dst is F32
             // [rows, n_used, n_tokens], whose rows (k, t) of expert e belong
@@ -429,14 +464,14 @@ unsafe fn compute_fused(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, op: 
     // [n_embd, 1, n_tokens] input of a ubatch's op, contiguous (checked when
     // the op was built), a later ubatch's where it keeps them aside; each
     // out is F32 [n_embd, n_used, n_tokens] with the strides given.
-    let batch = unsafe { join(key, op.layer, &op.name, true, !kept.is_empty(), starts, &op.gate, &inputs, pager) };
+    let (batch, me) = unsafe { join(key, op.layer, &op.name, true, !kept.is_empty(), starts, &op.gate, &inputs, pager, nth) };
     let [gate_l, up_l, down_l] = op.layouts;
     let (gate, up, down) =
         (ExpertMatmul::new(&op.gate, gate_w, gate_l, nth), ExpertMatmul::new(&op.up, up_w, up_l, nth), ExpertMatmul::new(&op.down, down_w, down_l, nth));
     let down_act_bytes = op.down.activation_row_bytes(n_ff);
     WORKSPACE.with_borrow_mut(|ws| {
         let Workspace { tiled, fused: f } = ws;
-        for_each_pinned(key, nth, op.layer, pager, &batch, |expert, by_input| {
+        for_each_pinned(me, op.layer, pager, &batch, |expert, by_input| {
             for (input, uses) in batch.inputs.iter().zip(by_input) {
                 // At most FUSED_ROWS uses at a time: this thread's buffers stay
                 // the same size whatever the ubatch (an expert a whole ubatch
@@ -675,7 +710,8 @@ unsafe fn join(
     kernels: &DotKernels,
     inputs: &[Input<'_>],
     pager: &Pager,
-) -> Arc<Batch> {
+    nth: usize,
+) -> (Arc<Batch>, Participant) {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
     let call = calls.entry(key).or_insert_with(|| {
         // The step's clock starts before its first lookups are counted,
@@ -742,15 +778,17 @@ unsafe fn join(
             .collect();
         let mut by_work: Vec<usize> = (0..experts.len()).collect();
         by_work.sort_by_key(|&i| std::cmp::Reverse(experts[i].1.iter().map(Vec::len).sum::<usize>()));
-        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, inputs }), first_open: 0, by_work, deferred, left: 0 }
+        Call { taken: vec![false; experts.len()], batch: Arc::new(Batch { experts, inputs }), first_open: 0, by_work, deferred, left: 0, inside: 0 }
     });
+    call.inside += 1;
     let batch = Arc::clone(&call.batch);
     drop(calls);
+    let me = Participant { key, nth, left: false };
     for (input, converted) in inputs.iter().zip(&batch.inputs) {
         // SAFETY: b is the input the buffer was sized from (this function's contract).
         unsafe { converted.acts.convert(input.b, kernels) };
     }
-    batch
+    (batch, me)
 }
 
 /// Computes this thread's share of a call: claims the batch's experts one at
@@ -759,8 +797,8 @@ unsafe fn join(
 /// failed acquire abandons the batch (or ends the process): that expert's
 /// rows of dst are never read, and the loop goes on so that every claim is
 /// drained and the call's last thread removes it.
-fn for_each_pinned(key: usize, nth: usize, layer: u32, pager: &Pager, batch: &Batch, mut work: impl FnMut(&PinnedExpert<'_>, &[Uses])) {
-    while let Some((i, count)) = next_expert(key, nth, layer, pager) {
+fn for_each_pinned(mut me: Participant, layer: u32, pager: &Pager, batch: &Batch, mut work: impl FnMut(&PinnedExpert<'_>, &[Uses])) {
+    while let Some((i, count)) = next_expert(&mut me, layer, pager) {
         let (e, uses) = (batch.experts[i].0, &batch.experts[i].1);
         match pager.acquire(layer, e, count) {
             Ok(expert) => work(&expert, uses),
@@ -772,9 +810,9 @@ fn for_each_pinned(key: usize, nth: usize, layer: u32, pager: &Pager, batch: &Ba
 /// The index of the next expert of call `key` for this thread to compute
 /// (preferring one already in the arena), and how its acquire counts; None
 /// when every expert is taken (and this thread leaves the call).
-fn next_expert(key: usize, nth: usize, layer: u32, pager: &Pager) -> Option<(usize, Count)> {
+fn next_expert(me: &mut Participant, layer: u32, pager: &Pager) -> Option<(usize, Count)> {
     let mut calls = calls().lock().unwrap_or_else(|p| p.into_inner());
-    let call = calls.get_mut(&key).unwrap_or_else(|| fatal("paged matmul call left before its threads"));
+    let call = calls.get_mut(&me.key).unwrap_or_else(|| fatal("paged matmul call left before its threads"));
     while call.first_open < call.taken.len() && call.taken[call.first_open] {
         call.first_open += 1;
     }
@@ -795,10 +833,8 @@ fn next_expert(key: usize, nth: usize, layer: u32, pager: &Pager) -> Option<(usi
             Some((i, count))
         }
         None => {
-            call.left += 1;
-            if call.left == nth {
-                calls.remove(&key);
-            }
+            leave(&mut calls, me.key, me.nth);
+            me.left = true;
             None
         }
     }
