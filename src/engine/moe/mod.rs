@@ -694,7 +694,8 @@ unsafe fn leave_out(dst: &mut sys::ggml_tensor, ith: usize, nth: usize, layer: u
 /// (`starts_layer`), hands the batch's misses to the readers and starts the
 /// prefetch (`whole_group`: the inputs are a prompt group's every ubatch,
 /// its expert ops shared). Returns once every input's `b` is converted to
-/// `kernels`' activation type, which every thread of the call helps with.
+/// `kernels`' activation type, which every thread of the call helps with,
+/// with this thread's part in the call (one of `nth`).
 ///
 /// # Safety
 /// Each input's `ids` must be a valid I32 routing tensor of the call and
