@@ -820,9 +820,10 @@ fn next_expert(me: &mut Participant, layer: u32, pager: &Pager) -> Option<(usize
     let experts = &call.batch.experts;
     let open = || (call.first_open..experts.len()).filter(|&i| !call.taken[i]);
     // Resident experts first, the one with the most uses first; then those
-    // being read (waiting for a read in flight), and only then the misses prepare found no slot for: reading
-    // one of those needs a victim, which should be an expert this batch has
-    // finished with, not one it has yet to use.
+    // being read (waiting for a read in flight), and only then the misses
+    // prepare found no slot for: reading one of those needs a victim, which
+    // should be an expert this batch has finished with, not one it has yet
+    // to use.
     let pick = pager
         .first_ready(layer, call.by_work.iter().copied().filter(|&i| !call.taken[i]).map(|i| (i, experts[i].0)))
         .or_else(|| open().find(|&i| !call.deferred.contains(&experts[i].0)))
