@@ -837,6 +837,22 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     let whole = u(&c["prompt"], "tokens").div_ceil(128) * 128;
     let hints: Vec<&str> = cut.stderr.lines().filter(|l| l.starts_with("sdq: hint:")).collect();
     assert!(hints.len() == 1 && hints[0].contains(&format!("; -b {whole} ")), "a hint naming -b {whole}: {}", cut.stderr);
+    // A reserve whose group allowance (half of it) holds two of these
+    // ubatches but not three, in groups that do not share (which the
+    // arena lends nothing): -b 256 is already as large a batch as one
+    // group holds, and no hint names a larger one, which would be cut
+    // into groups of two reading again.
+    let per_ubatch = u(&n["prompt_groups"], "peak_bytes") / u(&n["prompt_groups"], "ubatches");
+    let reserve = 5 * per_ubatch;
+    let pairs = batched("256", Some((&budget_for(&probe, reserve, layer * 3 / 4), &reserve.to_string())), &[("SDQ_GROUP_SHARE", "0")], "b256-pairs");
+    assert_eq!(
+        (&pairs.json["tokens"], max_abs_diff(&pairs.logits, &cut_stock.logits)),
+        (&cut_stock.json["tokens"], 0.0),
+        "groups of two against stock with -b 256"
+    );
+    let p = pairs.stats.as_ref().unwrap();
+    assert!(u(&p["prompt_groups"], "groups") >= 2 && u(&p["prompt_groups"], "capacity_ubatches") == 2, "not groups of two: {p}");
+    assert!(!pairs.stderr.lines().any(|l| l.starts_with("sdq: hint:") && l.contains("-b ")), "a -b no group holds was hinted: {}", pairs.stderr);
 }
 
 /// llama-bench computes each prompt several times from its start (a

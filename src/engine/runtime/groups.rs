@@ -48,6 +48,11 @@ pub struct GroupCounts {
     /// experts a first ubatch's op computed for its whole group.
     pub shared: u64,
     pub shared_layers: u64,
+    /// The most ubatches like the last one staged that a group could hold
+    /// in the room it was given then (0 before any was staged): a larger
+    /// `-b` than that many ubatches is cut into several groups, each
+    /// reading its experts again.
+    pub capacity: u32,
 }
 
 impl Groups {
@@ -93,6 +98,8 @@ impl Groups {
     /// shares its expert ops also holds `op_out` for each ubatch after the
     /// first.
     pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
+        let per_ubatch = bytes / u64::from(n_staged.max(1));
+        self.counts.capacity = Self::capacity(per_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
         let room = self.staging_needs(n_staged, bytes, op_out) <= allowance;
         if !room && n_staged == 0 {
             self.counts.refused += 1;
@@ -112,6 +119,22 @@ impl Groups {
     pub fn needs(n_staged: u32, bytes: u64, op_out: u64) -> u64 {
         let next = if n_staged == 0 { bytes } else { bytes / u64::from(n_staged) };
         bytes + next + op_out * u64::from(n_staged.max(1))
+    }
+
+    /// The most ubatches of `per_ubatch` bytes each, keeping `op_out` for
+    /// each after the first, that `room` lets one group stage in
+    /// `allowance`; under 2, no group.
+    pub fn capacity(per_ubatch: u64, op_out: u64, allowance: u64) -> u32 {
+        // m ubatches hold per_ubatch·m + op_out·(m − 1) once the last is
+        // staged (`needs` of the m − 1 before it).
+        let mut m = (allowance + op_out) / (per_ubatch + op_out).max(1);
+        while m >= 2 && Self::needs((m - 1) as u32, per_ubatch * (m - 1), op_out) > allowance {
+            m -= 1;
+        }
+        if m < 2 || Self::needs(0, per_ubatch, op_out) > allowance {
+            return 1;
+        }
+        m.min(u64::from(u32::MAX)) as u32
     }
 
     /// The arena lends the group `bytes` in all.
@@ -173,6 +196,7 @@ mod tests {
         // Ubatches of 10 bytes in 35: three fit, a fourth would not.
         assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && g.room(2, 20, 5, 35));
         assert!(!g.room(3, 30, 5, 35));
+        assert_eq!(g.counts.capacity, 3);
         // The three staged hold 32 once the last is: its peak, as it begins.
         assert_eq!(g.counts.peak_bytes, 0);
         g.begin(3, 1200, 32, 5);
@@ -186,6 +210,7 @@ mod tests {
         let mut g = Groups::default();
         g.stage(true);
         assert!(g.room(0, 10, 5, 35) && g.room(1, 10, 5, 35) && !g.room(2, 20, 5, 35));
+        assert_eq!(g.counts.capacity, 2);
         // The two staged, and the second's output kept.
         g.begin(2, 1024, 20, 5);
         assert_eq!(g.counts.peak_bytes, 25);
@@ -202,8 +227,19 @@ mod tests {
         // 20 bytes each in 35: the first is not staged (the batch is
         // computed as stock), and is no peak.
         assert!(!g.room(0, 20, 0, 35));
-        assert_eq!((g.counts.peak_bytes, g.counts.refused), (0, 1));
+        assert_eq!((g.counts.peak_bytes, g.counts.refused, g.counts.capacity), (0, 1, 1));
         assert!(g.room(0, 17, 0, 35));
         assert_eq!(g.counts.refused, 1);
+    }
+
+    #[test]
+    fn capacity_is_what_room_lets_one_group_stage() {
+        for (per, out, allowance) in [(10, 0, 35), (10, 5, 35), (7, 3, 100), (20, 0, 35), (10, 0, 19), (1, 0, 1000), (64, 9, 640)] {
+            let cap = Groups::capacity(per, out, allowance);
+            let mut g = Groups::default();
+            g.stage(out > 0);
+            let staged = (0..).take_while(|&n| g.room(n, per * u64::from(n.max(1)), out, allowance)).count() as u32;
+            assert_eq!(cap, staged.max(1), "{per} B per ubatch, {out} kept, in {allowance}");
+        }
     }
 }

@@ -768,10 +768,14 @@ impl Runtime {
         // one ubatch at a time.
         let groups = self.groups_computed();
         if self.options.group.map_or(true, |n| n > 1) && !self.tracing() && groups.refused == 0 {
-            let Some(batch) = run.batch_hint(size).filter(|_| pager.holds_a_layer() || groups.computed > 0) else { return };
+            let Some(batch) = run.batch_hint(size, groups.capacity).filter(|_| pager.holds_a_layer() || groups.computed > 0) else { return };
             if !SAID.swap(true, Ordering::Relaxed) {
+                // A group's room may hold fewer ubatches than the prompt's:
+                // then each group of the batch reads its experts again.
+                let batches = run.tokens.div_ceil(batch);
+                let reads = if batches > 1 { format!("{batches} times (a group holds {} ubatches at this budget)", groups.capacity) } else { "once".into() };
                 stderr_line!(
-                    "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about once",
+                    "sdq: hint: {} (each llama_decode batch reads its experts again); -b {batch} would read them about {reads}",
                     run.what_it_read("batches of up to")
                 );
             }

@@ -210,15 +210,19 @@ impl PromptRun {
     /// The `-b` that would give the whole prompt to one `llama_decode`, whose
     /// ubatches are computed together and so read each expert once (where
     /// the arena holds a layer's experts): the prompt rounded up to the
-    /// context's ubatch, within the context. None if the run read its
-    /// experts about once already, or its steps cannot be one prompt's
-    /// batches (see `ubatch_hint`).
-    pub fn batch_hint(&self, size: ContextSize) -> Option<u64> {
+    /// context's ubatch, within the context, and within what one group can
+    /// hold (`group_capacity` ubatches; 0 if unknown): a larger batch is
+    /// cut into groups that each read the experts again. None if the run
+    /// read its experts about once already, its steps cannot be one
+    /// prompt's batches (see `ubatch_hint`), or no larger batch would be
+    /// one group.
+    pub fn batch_hint(&self, size: ContextSize, group_capacity: u32) -> Option<u64> {
         let known = |n: u64| if n == 0 { u64::MAX } else { n };
-        if !self.read_one_prompt_again(size) {
+        if !self.read_one_prompt_again(size) || group_capacity == 1 {
             return None;
         }
-        let batch = self.tokens.div_ceil(size.n_ubatch.max(1)) * size.n_ubatch.max(1);
+        let ubatch = size.n_ubatch.max(1);
+        let batch = (self.tokens.div_ceil(ubatch) * ubatch).min(known(u64::from(group_capacity)).saturating_mul(ubatch));
         Some(batch.min(known(size.n_ctx))).filter(|&b| b > self.ubatch)
     }
 }
@@ -363,15 +367,22 @@ mod tests {
         // 8,000 tokens in four llama_decode batches of 2,048 (each a group
         // of ubatches of 512), each reading the same 800 bytes again.
         let run = PromptRun { steps: 4, tokens: 8000, ubatch: 2048, bytes_read: 3200, touched_bytes: 800, ..PromptRun::default() };
-        assert_eq!(run.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), Some(8192));
+        assert_eq!(run.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }, 0), Some(8192));
         // Within the context: llama.cpp cuts -b to it.
         let tight = PromptRun { tokens: 7900, ..run.clone() };
-        assert_eq!(tight.batch_hint(ContextSize { n_ctx: 7936, n_ubatch: 512 }), Some(7936));
+        assert_eq!(tight.batch_hint(ContextSize { n_ctx: 7936, n_ubatch: 512 }, 0), Some(7936));
         // A run that read its experts about once, or one batch, gets none.
-        assert_eq!(PromptRun { bytes_read: 900, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
-        assert_eq!(PromptRun { steps: 1, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
+        assert_eq!(PromptRun { bytes_read: 900, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }, 0), None);
+        assert_eq!(PromptRun { steps: 1, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }, 0), None);
         // Steps smaller than the context's ubatch are batches of their own.
-        assert_eq!(PromptRun { ubatch: 16, tokens: 64, ..run }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }), None);
+        assert_eq!(PromptRun { ubatch: 16, tokens: 64, ..run.clone() }.batch_hint(ContextSize { n_ctx: 8192, n_ubatch: 512 }, 0), None);
+        // A group holds 8 ubatches: -b 4096 reads the prompt twice, not
+        // four times. Where it holds the 4 ubatches of the batch given, no
+        // larger batch is one group; where it holds none, nothing is.
+        let size = ContextSize { n_ctx: 8192, n_ubatch: 512 };
+        assert_eq!(run.batch_hint(size, 8), Some(4096));
+        assert_eq!((run.batch_hint(size, 4), run.batch_hint(size, 1)), (None, None));
+        assert_eq!(run.batch_hint(size, 100), Some(8192));
     }
 
     #[test]

@@ -194,6 +194,7 @@ impl Runtime {
             "arena_lent_bytes": g.lent_bytes,
             "shared": g.shared,
             "shared_layers": g.shared_layers,
+            "capacity_ubatches": g.capacity,
         });
         v.as_object_mut().expect("object").insert("prompt_groups".into(), groups);
         if let Some((pager, plan)) = self.pager.latest() {
