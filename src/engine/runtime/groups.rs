@@ -27,6 +27,8 @@ pub struct Groups {
     current: Option<Group>,
     /// Whether the group being staged shares its expert ops.
     staging_shares: bool,
+    /// The most a staged ubatch held, on average over its group.
+    largest_ubatch: u64,
     counts: GroupCounts,
 }
 
@@ -48,8 +50,8 @@ pub struct GroupCounts {
     /// experts a first ubatch's op computed for its whole group.
     pub shared: u64,
     pub shared_layers: u64,
-    /// The most ubatches like the last one staged that a group could hold
-    /// in the room it was given then (0 before any was staged): a larger
+    /// The most ubatches as large as the largest staged that a group could
+    /// hold in the room it was given last (0 before any was staged): a larger
     /// `-b` than that many ubatches is cut into several groups, each
     /// reading its experts again.
     pub capacity: u32,
@@ -98,8 +100,11 @@ impl Groups {
     /// shares its expert ops also holds `op_out` for each ubatch after the
     /// first.
     pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
-        let per_ubatch = bytes / u64::from(n_staged.max(1));
-        self.counts.capacity = Self::capacity(per_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
+        // A batch's last ubatch is often smaller (a prompt's tail, or a
+        // batch of its own): the capacity is of ubatches as large as any
+        // seen, which a larger -b would be made of.
+        self.largest_ubatch = self.largest_ubatch.max(bytes / u64::from(n_staged.max(1)));
+        self.counts.capacity = Self::capacity(self.largest_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
         let room = self.staging_needs(n_staged, bytes, op_out) <= allowance;
         if !room && n_staged == 0 {
             self.counts.refused += 1;
@@ -241,5 +246,11 @@ mod tests {
             let staged = (0..).take_while(|&n| g.room(n, per * u64::from(n.max(1)), out, allowance)).count() as u32;
             assert_eq!(cap, staged.max(1), "{per} B per ubatch, {out} kept, in {allowance}");
         }
+        // A group of three ubatches of 10 in 35, then a prompt's tail of a
+        // few tokens, its own batch: a group still holds three full ones.
+        let mut g = Groups::default();
+        assert!(g.room(0, 10, 0, 35) && g.room(1, 10, 0, 35) && g.room(2, 20, 0, 35) && !g.room(3, 30, 0, 35));
+        assert!(g.room(0, 2, 0, 35));
+        assert_eq!(g.counts.capacity, 3);
     }
 }
