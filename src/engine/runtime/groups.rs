@@ -27,8 +27,6 @@ pub struct Groups {
     current: Option<Group>,
     /// Whether the group being staged shares its expert ops.
     staging_shares: bool,
-    /// The most a staged ubatch held, on average over its group.
-    largest_ubatch: u64,
     counts: GroupCounts,
 }
 
@@ -50,8 +48,9 @@ pub struct GroupCounts {
     /// experts a first ubatch's op computed for its whole group.
     pub shared: u64,
     pub shared_layers: u64,
-    /// The most ubatches as large as the largest staged that a group could
-    /// hold in the room it was given last (0 before any was staged): a larger
+    /// The most ubatches like those of the last batch staged that a group
+    /// could hold in the room it had then (0 before any was; 1 where none
+    /// fits): a larger
     /// `-b` than that many ubatches is cut into several groups, each
     /// reading its experts again.
     pub capacity: u32,
@@ -100,12 +99,14 @@ impl Groups {
     /// shares its expert ops also holds `op_out` for each ubatch after the
     /// first.
     pub fn room(&mut self, n_staged: u32, bytes: u64, op_out: u64, allowance: u64) -> bool {
-        // A batch's last ubatch is often smaller (a prompt's tail, or a
-        // batch of its own): the capacity is of ubatches as large as any
-        // seen, which a larger -b would be made of.
-        self.largest_ubatch = self.largest_ubatch.max(bytes / u64::from(n_staged.max(1)));
-        self.counts.capacity = Self::capacity(self.largest_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
         let room = self.staging_needs(n_staged, bytes, op_out) <= allowance;
+        // The capacity is of a batch's ubatches once some are staged: a
+        // batch of one small ubatch (a prompt's tail) says nothing of the
+        // full ones a larger -b would be made of, unless even it has no room.
+        if n_staged > 0 || !room {
+            let per_ubatch = bytes / u64::from(n_staged.max(1));
+            self.counts.capacity = Self::capacity(per_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
+        }
         if !room && n_staged == 0 {
             self.counts.refused += 1;
         }
