@@ -105,7 +105,7 @@ impl Groups {
         // full ones a larger -b would be made of, unless even it has no room.
         if n_staged > 0 || !room {
             let per_ubatch = bytes / u64::from(n_staged.max(1));
-            self.counts.capacity = Self::capacity(per_ubatch, if self.staging_shares { op_out } else { 0 }, allowance);
+            self.counts.capacity = Self::capacity(per_ubatch, self.kept_out(op_out), allowance);
         }
         if !room && n_staged == 0 {
             self.counts.refused += 1;
@@ -116,7 +116,17 @@ impl Groups {
     /// `needs` for the group being staged: `op_out` counts only where it
     /// shares its expert ops.
     pub fn staging_needs(&self, n_staged: u32, bytes: u64, op_out: u64) -> u64 {
-        Self::needs(n_staged, bytes, if self.staging_shares { op_out } else { 0 })
+        Self::needs(n_staged, bytes, self.kept_out(op_out))
+    }
+
+    /// What the group being staged keeps of each later ubatch's op output:
+    /// all of it where it shares its expert ops, else nothing.
+    fn kept_out(&self, op_out: u64) -> u64 {
+        if self.staging_shares {
+            op_out
+        } else {
+            0
+        }
     }
 
     /// What a group whose `n_staged` ubatches hold `bytes` holds once it
@@ -132,12 +142,10 @@ impl Groups {
     /// `allowance`; under 2, no group.
     pub fn capacity(per_ubatch: u64, op_out: u64, allowance: u64) -> u32 {
         // m ubatches hold per_ubatch·m + op_out·(m − 1) once the last is
-        // staged (`needs` of the m − 1 before it).
-        let mut m = (allowance + op_out) / (per_ubatch + op_out).max(1);
-        while m >= 2 && Self::needs((m - 1) as u32, per_ubatch * (m - 1), op_out) > allowance {
-            m -= 1;
-        }
-        if m < 2 || Self::needs(0, per_ubatch, op_out) > allowance {
+        // staged (`needs` of the m − 1 before it), and m = 2 is also what
+        // `room` asks of a first ubatch.
+        let m = (allowance + op_out) / (per_ubatch + op_out).max(1);
+        if m < 2 {
             return 1;
         }
         m.min(u64::from(u32::MAX)) as u32
@@ -240,7 +248,8 @@ mod tests {
 
     #[test]
     fn capacity_is_what_room_lets_one_group_stage() {
-        for (per, out, allowance) in [(10, 0, 35), (10, 5, 35), (7, 3, 100), (20, 0, 35), (10, 0, 19), (1, 0, 1000), (64, 9, 640)] {
+        let small = (1..12u64).flat_map(|per| (0..6u64).flat_map(move |out| (0..60u64).map(move |a| (per, out, a))));
+        for (per, out, allowance) in [(10, 0, 35), (10, 5, 35), (7, 3, 100), (20, 0, 35), (10, 0, 19), (1, 0, 1000), (64, 9, 640)].into_iter().chain(small) {
             let cap = Groups::capacity(per, out, allowance);
             let mut g = Groups::default();
             g.stage(out > 0);
