@@ -9,7 +9,7 @@ tokens, every run starts with the page cache dropped and runs under
 `sdq limit --memory B --read-rate R` (page cache counted, no swap, reads
 throttled by the kernel):
   llama-completion -f PROMPT(N) -n --tokens --top-k 1 -c CTX -t 2
-  --ram-budget B [-b N for the "one batch" row]
+  --ram-budget B [-b 2048 for the "before" and "cut" rows, -b CTX for "whole"]
 The stats file gives the prompt's bytes read (`prompt.bytes_read`), the
 bytes of the distinct experts it touched (`prompt.touched_bytes`: reading
 each once), its groups, and the decode after it; llama.cpp's own timings
@@ -30,7 +30,7 @@ Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 Usage: scripts/bench-prompt.py --model M [--budgets 6,8] [--read-rates 600,200] [--prompts 512,2048,8192]
                             [--runs 1] [--tokens 8] [--ctx 8448]
                             [--compute-stock | --compute-cuts A,B --depth N [--compute-budget 18] | --compute-json F]
-                            [--ways before,grouped,whole] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
+                            [--ways before,cut,grouped,whole] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
        scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME [--compute-json J]   (the table and plot again)
 """
 import argparse
@@ -214,7 +214,7 @@ def main():
     ap.add_argument("--compute-cuts", help="two cuts of the model (gen-model --layers), resident under --compute-budget")
     ap.add_argument("--depth", type=int, help="the model's paged layers, for --compute-cuts")
     ap.add_argument("--compute-budget", type=float, default=18.0)
-    ap.add_argument("--ways", default="before,grouped,whole", help="which of before, grouped and whole to run, in this order")
+    ap.add_argument("--ways", default="before,cut,grouped", help="which of before, cut (-b 2048), grouped (default flags) and whole to run, in this order")
     ap.add_argument("--faster", type=float, default=4.0)
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--label", default="")
@@ -259,14 +259,18 @@ def main():
         return
 
     # Before: one ubatch at a time and no prompt read ahead (SDQ_GROUP=1
-    # SDQ_PREFETCH=0: the prompt path of the build before patch 0013).
-    # After: the default (a batch's ubatches together), and for a prompt
-    # longer than the default -b also -b of the whole prompt.
-    all_ways = {"before": ("before: one ubatch at a time", {"SDQ_GROUP": "1", "SDQ_PREFETCH": "0"}, False),
-                "grouped": ("grouped, default -b", {}, False), "whole": ("grouped, -b of the prompt", {}, True)}
+    # SDQ_PREFETCH=0: the prompt path of the build before patch 0013), at
+    # stock's -b 2048. After: the default flags (a batch's ubatches together;
+    # llama-completion given -c and no -b gets -b of the context from sdq),
+    # the same at -b 2048 (stock's cut, the default before sdq set -b), and
+    # -b of the whole prompt given.
+    all_ways = {"before": ("before: one ubatch at a time", {"SDQ_GROUP": "1", "SDQ_PREFETCH": "0"}, ["-b", "2048"]),
+                "cut": ("grouped, -b 2048", {}, ["-b", "2048"]),
+                "grouped": ("grouped, default flags", {}, []),
+                "whole": ("grouped, -b of the prompt", {}, ["-b", str(a.ctx)])}
     unknown = [w for w in a.ways.split(",") if w not in all_ways]
     if unknown:
-        sys.exit(f"bench-prompt: --ways takes before, grouped and whole, not {','.join(unknown)}")
+        sys.exit(f"bench-prompt: --ways takes {', '.join(all_ways)}, not {','.join(unknown)}")
     ways = [all_ways[w] for w in a.ways.split(",")]
     rows = []
     # The tokens each prompt turned out to be: -b of the whole prompt is the
@@ -276,12 +280,12 @@ def main():
     for budget in budgets:
         for rate in rates:
             for n in prompts:
-                for way, env, whole in ways:
+                for way, env, extra in ways:
+                    whole = extra == ["-b", str(a.ctx)]
                     if whole and n <= 2048 and n in tokens_of and tokens_of[n] <= 2048:
                         continue
                     runs = []
                     for _ in range(a.runs):
-                        extra = ["-b", str(a.ctx)] if whole else []
                         r = limited(completion(a.model, files[n], a.tokens, a.ctx, extra), budget, rate, tmp, env, a.timeout)
                         runs.append(r)
                         if r.get("prompt_tokens"):

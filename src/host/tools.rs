@@ -4,7 +4,7 @@
 use crate::engine::hooks;
 use crate::engine::memory::growth;
 use crate::engine::runtime::options::{self, Options};
-use crate::engine::runtime::{self, preflight};
+use crate::engine::runtime::{self, batching, preflight};
 use std::ffi::{c_char, c_int, CString, OsString};
 use std::os::unix::ffi::OsStringExt;
 
@@ -133,6 +133,23 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
     opts.planned_growth = plan.bytes;
 }
 
+/// llama-completion and llama-cli get a prompt as large as the context in
+/// one `llama_decode`, which reads its experts once, where the user left
+/// `-b` alone and it changes no ubatch (see `batching`). Set as
+/// `LLAMA_ARG_BATCH`, which llama.cpp's parser reads only for a flag the
+/// command line does not give.
+fn whole_prompt_batch(program: &str, args: &[OsString]) {
+    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
+    let flags = batching::BatchFlags::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| {
+        stderr_line!("{program}: error: {e}");
+        std::process::exit(1);
+    });
+    if let Some(batch) = flags.whole_prompt_batch() {
+        log::info!("-b {batch}: a prompt up to the context is one batch, its experts read once (the ubatches are stock's)");
+        std::env::set_var("LLAMA_ARG_BATCH", batch.to_string());
+    }
+}
+
 /// True if `program` is the tool `tool` (also under a suffixed name).
 fn tool_is(program: &str, tool: &str) -> bool {
     std::path::Path::new(program).file_name().is_some_and(|n| n.to_string_lossy().starts_with(tool))
@@ -252,6 +269,9 @@ pub fn run(entry: Entry) -> ! {
         if tool_has_prompt_cache(&program) {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
             fit_growth(&program, &args, checkpoint, budget, &mut opts);
+        }
+        if tool_is(&program, "llama-completion") || tool_is(&program, "llama-cli") {
+            whole_prompt_batch(&program, &args);
         }
         let draft = draft_with_experts(&program, &args, &checks);
         if draft.is_some() && opts.trace_file.is_some() {

@@ -855,6 +855,76 @@ fn a_prompt_is_grouped_in_an_arena_under_one_layers_experts() {
     assert!(!pairs.stderr.lines().any(|l| l.starts_with("sdq: hint:") && l.contains("-b ")), "a -b no group holds was hinted: {}", pairs.stderr);
 }
 
+/// llama-completion and llama-cli under a budget, given `-c` past 2,048 and
+/// no `-b`, hand a prompt of more than 2,048 tokens to one llama_decode
+/// (sdq sets `-b` to the context, `batching`): one group reading each
+/// expert about once, where stock's `-b` cuts it in two and the tail reads
+/// them again. The ubatches are stock's, so the text is stock's with the
+/// same flags. A `-b` given, or a `-ub` that does not divide 2,048, leaves
+/// the cut as stock's.
+#[test]
+fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
+    let model = gen_model("whole-batch.gguf", &["--preset", "tiny", "--experts", "64", "--top-k", "8", "--seed", "7"]);
+    let prompt = scratch().join("whole-batch.txt");
+    std::fs::write(&prompt, made_up_words(1300, 11)).unwrap();
+    // A group of all the prompt's ubatches (about 12 MiB each here) fits in
+    // what the reserve leaves groups, an eighth of it in llama-cli.
+    let reserve = "768M";
+    let complete = |tag: &str, tool: &str, budget: Option<&str>, extra: &[&str]| -> (String, String, Option<Value>) {
+        let stats = scratch().join(format!("whole-batch-{tag}.json"));
+        let _ = std::fs::remove_file(&stats);
+        let mut cmd = Command::new(bin(tool));
+        cmd.args(["-m", model.to_str().unwrap(), "-f", prompt.to_str().unwrap()]);
+        cmd.args(["-n", "6", "--top-k", "1", "-t", "2", "-c", "4096", "--seed", "1", "--no-warmup"]);
+        cmd.args(if tool == "llama-cli" { &["-st"][..] } else { &["-no-cnv"][..] }).args(extra);
+        if let Some(b) = budget {
+            cmd.args(["--ram-budget", b, "--sdq-reserve", reserve, "--sdq-stats", stats.to_str().unwrap()]);
+        }
+        let o = run(&mut cmd, 600);
+        assert!(o.status.success(), "{tool} {tag}: {}", stderr(&o));
+        (stdout(&o), stderr(&o), stats.exists().then(|| read_json(&stats)))
+    };
+    let (_, _, probe) = complete("probe", "llama-completion", Some("3G"), &["-n", "1"]);
+    let probe = probe.unwrap();
+    let tokens = u(&probe["prompt"], "tokens");
+    assert!(tokens > 2048 + 516 && tokens < 4000, "the prompt is {tokens} tokens: {probe}");
+    // An arena of a quarter of the model's experts: two layers' (of eight).
+    let budget = budget_for(&probe, 768 * MIB, all_arena(&probe, 64) / 4);
+    let (stock, stock_log, _) = complete("stock", "llama-completion", None, &[]);
+    assert!(stock_log.contains("n_batch = 2048"), "stock's -b is not 2048:\n{stock_log}");
+    let (whole, log, s) = complete("whole", "llama-completion", Some(&budget), &[]);
+    let s = s.unwrap();
+    assert_eq!(whole, stock, "one batch against stock with the same flags");
+    assert!(log.contains("n_batch = 4096"), "sdq did not set -b to the context:\n{log}");
+    assert!(u(&s, "arena_bytes") < all_arena(&s, 64), "the arena holds every expert: {s}");
+    assert_eq!((u(&s["prompt_groups"], "groups"), u(&s["prompt_groups"], "ubatches")), (1, tokens.div_ceil(512)), "not one group: {s}");
+    let (read, touched) = (u(&s["prompt"], "bytes_read") as f64, u(&s["prompt"], "touched_bytes") as f64);
+    assert!(read <= 1.05 * touched, "one batch read {read} B of {touched} B touched: {s}");
+    for (tag, extra) in [("b2048", &["-b", "2048"][..]), ("ub384", &["-ub", "384"][..])] {
+        let (cut, log, c) = complete(tag, "llama-completion", Some(&budget), extra);
+        let c = c.unwrap();
+        let (cut_stock, _, _) = complete(&format!("{tag}-stock"), "llama-completion", None, extra);
+        assert_eq!(cut, cut_stock, "{tag} against stock with {tag}");
+        assert!(log.contains("n_batch = 2048"), "{tag}: -b changed:\n{log}");
+        assert!(u(&c["prompt_groups"], "groups") >= 2, "{tag}: not cut in two: {c}");
+        let cut_read = u(&c["prompt"], "bytes_read") as f64;
+        assert!(cut_read > 1.2 * read, "{tag}: the cut prompt read {cut_read} B, the whole {read} B: {c}");
+    }
+    // llama-cli (one turn of a chat; its answer between the prompt's echo
+    // and the speed line): for a model with recurrent layers it gives the
+    // prompt's last 516 tokens apart (upstream's checkpoints), and the rest
+    // as one group of more ubatches than stock's -b holds.
+    let answer = |out: &str| out.lines().skip_while(|l| !l.starts_with("> ")).take_while(|l| !l.starts_with("[ Prompt")).collect::<Vec<_>>().join("\n");
+    let (cli_stock, _, _) = complete("cli-stock", "llama-cli", None, &[]);
+    let (_, _, cli_probe) = complete("cli-probe", "llama-cli", Some("3G"), &["-n", "1"]);
+    let cli_budget = budget_for(&cli_probe.unwrap(), 768 * MIB, all_arena(&probe, 64) / 4);
+    let (cli, _, c) = complete("cli", "llama-cli", Some(&cli_budget), &[]);
+    assert!(!answer(&cli_stock).is_empty(), "no answer from llama-cli:\n{cli_stock}");
+    assert_eq!(answer(&cli), answer(&cli_stock), "llama-cli against stock with the same flags");
+    let c = c.unwrap();
+    assert!(u(&c["prompt_groups"], "groups") == 1 && u(&c["prompt_groups"], "ubatches") > 4, "llama-cli's prompt was not one group past 2,048 tokens: {c}");
+}
+
 /// llama-bench computes each prompt several times from its start (a
 /// warm-up, then its repetitions). Each is a prompt of its own: one of a
 /// single ubatch gets no `-ub` hint however often it runs, and one of four

@@ -37,7 +37,9 @@ pub struct ToolSettings {
     pub speculative: bool,
 }
 
-fn flag_value(args: &[String], names: &[&str], env: &str, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Option<i64>> {
+/// A whole-number flag's value (`-f V` or `-f=V`, the last given), else the
+/// `env` variable's; an error names the flag if it is not a number.
+pub(crate) fn flag_value(args: &[String], names: &[&str], env: &str, getenv: &dyn Fn(&str) -> Option<String>) -> Result<Option<i64>> {
     let mut found: Option<(String, String)> = None;
     let mut it = args.iter().skip(1);
     while let Some(a) = it.next() {

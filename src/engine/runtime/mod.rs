@@ -3,6 +3,7 @@
 //! once the model and its context are loaded, so the arena is sized from the
 //! anonymous memory they really hold), and the figures for the stats file.
 
+pub mod batching;
 pub mod failure;
 pub mod groups;
 pub mod metrics;
