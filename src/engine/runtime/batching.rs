@@ -12,7 +12,10 @@
 //! llama-server is left alone: its batches mix the tokens of every slot
 //! (one slot's prompt beside another's decode), and a larger `-b` would mix
 //! them differently. So is a tool that drafts (MTP asks logits at every
-//! prompt position, `n_vocab` floats a token of the batch).
+//! prompt position, `n_vocab` floats a token of the batch), and one that
+//! moves its cache between batches: llama-completion's context shift and
+//! self-extend (`--context-shift`, `-gan`) act before each batch, so where
+//! the batches are cut decides where they act.
 
 use crate::engine::memory::growth;
 use crate::error::Result;
@@ -31,6 +34,8 @@ pub struct BatchFlags {
     pub ctx: Option<i64>,
     /// The tool drafts (`growth::ToolSettings::speculative`).
     pub speculative: bool,
+    /// `--context-shift` is on, or `-gan` is not 1.
+    pub moves_cache: bool,
 }
 
 impl BatchFlags {
@@ -40,15 +45,18 @@ impl BatchFlags {
             ubatch: growth::flag_value(args, &["-ub", "--ubatch-size"], "LLAMA_ARG_UBATCH", getenv)?,
             ctx: growth::flag_value(args, &["-c", "--ctx-size"], "LLAMA_ARG_CTX_SIZE", getenv)?,
             speculative: growth::ToolSettings::from_args_and_env(args, getenv)?.speculative,
+            moves_cache: context_shift(args, getenv)
+                || growth::flag_value(args, &["-gan", "--grp-attn-n"], "LLAMA_ARG_GRP_ATTN_N", getenv)?.is_some_and(|n| n != 1),
         })
     }
 
     /// The `-b` that gives a prompt as large as the context to one
     /// `llama_decode`: the context rounded down to a multiple of `-ub`.
-    /// None where the user set `-b`, the tool drafts, `-ub` does not divide
-    /// stock's `-b` (the ubatches would differ), or the context is unset
-    /// (`-c 0`: the model's, which llama.cpp may lower to fit the machine's
-    /// memory after this is decided) or no larger than stock's `-b`.
+    /// None where the user set `-b`, the tool drafts or moves its cache
+    /// between batches, `-ub` does not divide stock's `-b` (the ubatches
+    /// would differ), or the context is unset (`-c 0`: the model's, which
+    /// llama.cpp may lower to fit the machine's memory after this is
+    /// decided) or no larger than stock's `-b`.
     ///
     /// Rounded down, not up: llama.cpp caps its batch at the context asked
     /// for, while a prompt may fill the context rounded up to 256 tokens, so
@@ -57,11 +65,22 @@ impl BatchFlags {
     /// `-ub`, as stock cuts it at 2,048.
     pub fn whole_prompt_batch(&self) -> Option<i64> {
         let ubatch = self.ubatch.unwrap_or(STOCK_UBATCH);
-        if self.batch.is_some() || self.speculative || ubatch <= 0 || STOCK_BATCH % ubatch != 0 {
+        if self.batch.is_some() || self.speculative || self.moves_cache || ubatch <= 0 || STOCK_BATCH % ubatch != 0 {
             return None;
         }
         let ctx = self.ctx.filter(|&c| c > STOCK_BATCH)?;
         Some(ctx / ubatch * ubatch).filter(|&b| b > STOCK_BATCH)
+    }
+}
+
+/// Whether `--context-shift` is on: the last of it and `--no-context-shift`
+/// on the command line, else `LLAMA_ARG_CONTEXT_SHIFT` set to anything but
+/// a false value (off by default).
+fn context_shift(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
+    let last = args.iter().skip(1).rev().find(|a| *a == "--context-shift" || *a == "--no-context-shift");
+    match last {
+        Some(a) => a == "--context-shift",
+        None => getenv("LLAMA_ARG_CONTEXT_SHIFT").is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "off" | "disabled")),
     }
 }
 
@@ -83,6 +102,8 @@ mod tests {
         // Rounded down to the ubatch, never past the context.
         assert_eq!(flags(&["-c", "5000"], &[]).whole_prompt_batch(), Some(4608));
         assert_eq!(flags(&["-c", "5000", "-ub", "64"], &[]).whole_prompt_batch(), Some(4992));
+        assert_eq!(flags(&["-c", "4096", "--context-shift", "--no-context-shift", "-gan", "1"], &[]).whole_prompt_batch(), Some(4096));
+        assert_eq!(flags(&["-c", "4096"], &[("LLAMA_ARG_CONTEXT_SHIFT", "false")]).whole_prompt_batch(), Some(4096));
     }
 
     #[test]
@@ -102,6 +123,10 @@ mod tests {
             // Drafting.
             (&["-c", "4096", "--spec-type", "mtp"][..], &[][..]),
             (&["-c", "4096", "-md", "draft.gguf"][..], &[][..]),
+            // The cache moved between batches.
+            (&["-c", "4096", "--context-shift"][..], &[][..]),
+            (&["-c", "4096"][..], &[("LLAMA_ARG_CONTEXT_SHIFT", "1")][..]),
+            (&["-c", "4096", "-gan", "4"][..], &[][..]),
         ] {
             assert_eq!(flags(args, env).whole_prompt_batch(), None, "{args:?} {env:?}");
         }
