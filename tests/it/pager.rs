@@ -869,7 +869,8 @@ fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
     std::fs::write(&prompt, made_up_words(1300, 11)).unwrap();
     // A group of all the prompt's ubatches (about 12 MiB each here) fits in
     // what the reserve leaves groups, an eighth of it in llama-cli.
-    let reserve = "768M";
+    let reserve_mib = 768;
+    let reserve = format!("{reserve_mib}M");
     let complete = |tag: &str, tool: &str, budget: Option<&str>, extra: &[&str]| -> (String, String, Option<Value>) {
         let stats = scratch().join(format!("whole-batch-{tag}.json"));
         let _ = std::fs::remove_file(&stats);
@@ -878,7 +879,7 @@ fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
         cmd.args(["-n", "6", "--top-k", "1", "-t", "2", "-c", "4096", "--seed", "1", "--no-warmup"]);
         cmd.args(if tool == "llama-cli" { &["-st"][..] } else { &["-no-cnv"][..] }).args(extra);
         if let Some(b) = budget {
-            cmd.args(["--ram-budget", b, "--sdq-reserve", reserve, "--sdq-stats", stats.to_str().unwrap()]);
+            cmd.args(["--ram-budget", b, "--sdq-reserve", &reserve, "--sdq-stats", stats.to_str().unwrap()]);
         }
         let o = run(&mut cmd, 600);
         assert!(o.status.success(), "{tool} {tag}: {}", stderr(&o));
@@ -889,7 +890,7 @@ fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
     let tokens = u(&probe["prompt"], "tokens");
     assert!(tokens > 2048 + 516 && tokens < 4000, "the prompt is {tokens} tokens: {probe}");
     // An arena of a quarter of the model's experts: two layers' (of eight).
-    let budget = budget_for(&probe, 768 * MIB, all_arena(&probe, 64) / 4);
+    let budget = budget_for(&probe, reserve_mib * MIB, all_arena(&probe, 64) / 4);
     let (stock, stock_log, _) = complete("stock", "llama-completion", None, &[]);
     assert!(stock_log.contains("n_batch = 2048"), "stock's -b is not 2048:\n{stock_log}");
     let (whole, log, s) = complete("whole", "llama-completion", Some(&budget), &[]);
@@ -917,7 +918,7 @@ fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
     let answer = |out: &str| out.lines().skip_while(|l| !l.starts_with("> ")).take_while(|l| !l.starts_with("[ Prompt")).collect::<Vec<_>>().join("\n");
     let (cli_stock, _, _) = complete("cli-stock", "llama-cli", None, &[]);
     let (_, _, cli_probe) = complete("cli-probe", "llama-cli", Some("3G"), &["-n", "1"]);
-    let cli_budget = budget_for(&cli_probe.unwrap(), 768 * MIB, all_arena(&probe, 64) / 4);
+    let cli_budget = budget_for(&cli_probe.unwrap(), reserve_mib * MIB, all_arena(&probe, 64) / 4);
     let (cli, _, c) = complete("cli", "llama-cli", Some(&cli_budget), &[]);
     assert!(!answer(&cli_stock).is_empty(), "no answer from llama-cli:\n{cli_stock}");
     assert_eq!(answer(&cli), answer(&cli_stock), "llama-cli against stock with the same flags");

@@ -74,7 +74,7 @@ impl ToolSettings {
 /// Whether the tool drafts: `--spec-type` (or `LLAMA_ARG_SPEC_TYPE`) set to
 /// anything but `none`, or a draft model (`-md`, `--model-draft`,
 /// `LLAMA_ARG_MODEL_DRAFT`), as llama.cpp's parser reads them.
-fn speculative(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
+pub(crate) fn speculative(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
     let types = last_value(args, &["--spec-type"]).or_else(|| getenv("LLAMA_ARG_SPEC_TYPE"));
     draft_model(args, getenv).is_some() || types.is_some_and(|t| t.split(',').any(|t| !t.trim().is_empty() && t.trim() != "none"))
 }

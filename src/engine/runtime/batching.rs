@@ -32,7 +32,7 @@ pub struct BatchFlags {
     pub batch: Option<i64>,
     pub ubatch: Option<i64>,
     pub ctx: Option<i64>,
-    /// The tool drafts (`growth::ToolSettings::speculative`).
+    /// The tool drafts (`growth::speculative`).
     pub speculative: bool,
     /// `--context-shift` is on, or `-gan` is not 1.
     pub moves_cache: bool,
@@ -44,7 +44,7 @@ impl BatchFlags {
             batch: growth::flag_value(args, &["-b", "--batch-size"], "LLAMA_ARG_BATCH", getenv)?,
             ubatch: growth::flag_value(args, &["-ub", "--ubatch-size"], "LLAMA_ARG_UBATCH", getenv)?,
             ctx: growth::flag_value(args, &["-c", "--ctx-size"], "LLAMA_ARG_CTX_SIZE", getenv)?,
-            speculative: growth::ToolSettings::from_args_and_env(args, getenv)?.speculative,
+            speculative: growth::speculative(args, getenv),
             moves_cache: context_shift(args, getenv)
                 || growth::flag_value(args, &["-gan", "--grp-attn-n"], "LLAMA_ARG_GRP_ATTN_N", getenv)?.is_some_and(|n| n != 1),
         })
