@@ -53,6 +53,11 @@ size_t sdq_report(int kind, char * buf, size_t len) {
     return h->report(h->user_data, kind, buf, len);
 }
 
+int32_t sdq_shared_batch(void) {
+    const sdq_hooks * h = sdq_get_hooks();
+    return h && h->shared_batch ? h->shared_batch(h->user_data) : 0;
+}
+
 bool sdq_take_batch_error(char * buf, size_t len) {
     const sdq_hooks * h = sdq_get_hooks();
     return h && h->take_batch_error && h->take_batch_error(h->user_data, buf, len);

@@ -20,7 +20,7 @@
 extern "C" {
 #endif
 
-#define SDQ_HOOKS_VERSION 18
+#define SDQ_HOOKS_VERSION 19
 
 struct llama_model;
 
@@ -196,6 +196,10 @@ struct sdq_hooks {
      * into buf (NUL-terminated, cut at len; buf may be NULL when len is 0).
      * Returns the text's whole length, as snprintf does. */
     size_t (*report)(void * user_data, int kind, char * buf, size_t len);
+    /* Server: the tokens a batch holding several slots' tokens may hold
+     * (stock's -b), where sdq raised the context's batch so that a prompt
+     * alone in a batch goes whole (patch 0016); 0 where it did not. */
+    int32_t (*shared_batch)(void * user_data);
 
     /* RPC, on the host (ggml's RPC backend, patch 0015). */
     /* Is `t` a weight paged on its RPC node (SDQ_PAGED_ON_NODE)? */
@@ -272,6 +276,9 @@ enum sdq_report_kind {
 
 /* The report hook, or 0 (nothing written) with no table installed. */
 size_t sdq_report(int kind, char * buf, size_t len);
+
+/* The shared_batch hook, or 0 with no table installed. */
+int32_t sdq_shared_batch(void);
 
 /* ggml abort callback (llama_set_abort_callback): the abort_requested hook,
  * or false with no table installed. */

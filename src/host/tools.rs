@@ -135,16 +135,26 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
 
 /// llama-completion and llama-cli get a prompt as large as the context in
 /// one `llama_decode`, which reads its experts once, where the user left
-/// `-b` alone and it changes no ubatch (see `batching`). Set as
-/// `LLAMA_ARG_BATCH`, which llama.cpp's parser reads only for a flag the
-/// command line does not give.
-fn whole_prompt_batch(program: &str, args: &[OsString]) {
+/// `-b` alone and it changes no ubatch; llama-server gets it for a prompt
+/// alone in its batch (see `batching`). Set as `LLAMA_ARG_BATCH`, which
+/// llama.cpp's parser reads only for a flag the command line does not give.
+fn whole_prompt_batch(program: &str, args: &[OsString], checks: &[preflight::ModelCheck]) {
     let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
     let flags = batching::BatchFlags::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| {
         stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     });
-    if let Some(batch) = flags.whole_prompt_batch() {
+    if tool_is(program, "llama-server") {
+        // Only a server of a named model: a router's children (one per
+        // model) decide for themselves, and would take an inherited
+        // variable for the user's.
+        let Some(check) = checks.first() else { return };
+        if let Some(batch) = flags.lone_prompt_batch(check.trained_context) {
+            log::info!("-b {batch}: a prompt alone in its batch is one batch up to the context, its experts read once; beside other requests' tokens a batch holds stock's {}", batching::STOCK_BATCH);
+            std::env::set_var("LLAMA_ARG_BATCH", batch.to_string());
+            batching::raise_server_batch();
+        }
+    } else if let Some(batch) = flags.whole_prompt_batch() {
         log::info!("-b {batch}: a prompt up to the context is one batch, its experts read once (the ubatches are stock's)");
         std::env::set_var("LLAMA_ARG_BATCH", batch.to_string());
     }
@@ -270,8 +280,8 @@ pub fn run(entry: Entry) -> ! {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
             fit_growth(&program, &args, checkpoint, budget, &mut opts);
         }
-        if tool_is(&program, "llama-completion") || tool_is(&program, "llama-cli") {
-            whole_prompt_batch(&program, &args);
+        if tool_is(&program, "llama-completion") || tool_is(&program, "llama-cli") || tool_is(&program, "llama-server") {
+            whole_prompt_batch(&program, &args, &checks);
         }
         let draft = draft_with_experts(&program, &args, &checks);
         if draft.is_some() && opts.trace_file.is_some() {

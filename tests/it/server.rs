@@ -677,6 +677,69 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     eprintln!("long chat prompts: read {:.1} MiB grouped, {:.1} MiB one ubatch at a time", grouped_read / 1048576.0, alone_read / 1048576.0);
 }
 
+/// llama-server at its default flags (no `-c`: the model's 4,096; `-b` not
+/// given) under a budget whose arena holds two layers' experts: sdq raises
+/// `-b` to the context, so a long prompt alone in its batch is one
+/// `llama_decode` past stock's 2,048 (the server still cuts its last tokens
+/// apart for its checkpoints), reads less than at `-b 2048`, and is answered
+/// as stock answers it with the same flags. Beside another request's decode
+/// a batch holds stock's 2,048 tokens, so that request goes on between the
+/// prompt's pieces.
+#[test]
+fn a_long_prompt_alone_is_one_batch_and_beside_a_decode_is_cut_as_stock() {
+    let model = tiny().to_str().unwrap();
+    let long = common_words(3_600, 12);
+    // The tokens each batch of a streamed prompt computed: the steps of its progress.
+    let batches = |progress: &[Value]| -> Vec<u64> { progress.windows(2).map(|w| u(&w[1], "processed") - u(&w[0], "processed")).filter(|&n| n > 0).collect() };
+    let (stock_server, port) = start_server(&["-m", model]);
+    let (stock, progress) = streamed_chat_progress(port, &long);
+    drop(stock_server);
+    let stock_batches = batches(&progress);
+    assert!(stock_batches.iter().max() == Some(&2048), "stock's batches: {stock_batches:?}");
+
+    let probe_stats = scratch().join("server-lone-probe.json");
+    let (probe, port) = start_server(&["-m", model, "--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]);
+    streamed_chat_progress(port, "a short question");
+    assert!(stop(probe).success());
+    let probe: Value = read_json(&probe_stats);
+    let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / 8 + crate::pager::MIB);
+    let serve = |tag: &str, extra: &[&str]| -> (String, Vec<u64>, Value) {
+        let stats = scratch().join(format!("server-lone-{tag}.json"));
+        let args = [&["-m", model, "--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()][..], extra].concat();
+        let (server, port) = start_server(&args);
+        let (answer, progress) = streamed_chat_progress(port, &long);
+        assert!(stop(server).success());
+        (answer, batches(&progress), read_json(&stats))
+    };
+    let (whole, whole_batches, s) = serve("default", &[]);
+    assert_eq!(whole, stock, "one batch against stock with the same flags");
+    assert!(whole_batches.iter().any(|&n| n > 2048), "sdq did not raise -b: no batch past 2,048 tokens: {whole_batches:?}");
+    assert!(u(&s, "arena_bytes") < all_arena(&s, 16), "the arena holds every expert: {s}");
+    let (cut, cut_batches, c) = serve("b2048", &["-b", "2048"]);
+    assert_eq!(cut, stock, "-b 2048 against stock");
+    assert_eq!(cut_batches, stock_batches, "-b 2048 cut the prompt otherwise than stock");
+    let (read, cut_read) = (u(&s["prompt"], "bytes_read") as f64, u(&c["prompt"], "bytes_read") as f64);
+    assert!(read < 0.9 * cut_read, "one batch read {read} B, -b 2048 {cut_read} B");
+
+    // Beside a decode: one request generates (its tokens in every batch)
+    // while the long prompt comes; each of the prompt's batches then holds
+    // at most stock's 2,048 tokens (an arena of every expert: which batches
+    // are cut where does not depend on it).
+    let (server, port) = start_server(&["-m", model, "-c", "8192", "--ram-budget", "1G", "--sdq-reserve", "512M"]);
+    let talker = std::thread::spawn(move || {
+        let body = serde_json::json!({ "messages": [{ "role": "user", "content": "Tell a long story." }], "max_tokens": 3000, "ignore_eos": true, "top_k": 1 });
+        http(port, "POST", "/v1/chat/completions", Some(&body.to_string()))
+    });
+    wait_processing(port, || talker.is_finished());
+    let (_, progress) = streamed_chat_progress(port, &long);
+    let beside = batches(&progress);
+    assert!(!talker.is_finished(), "the other request ended before the prompt did: nothing was beside it");
+    drop(server);
+    let _ = talker.join();
+    assert!(beside.len() >= 3 && beside.iter().all(|&n| n <= 2048), "beside a decode, the prompt's batches: {beside:?}");
+    eprintln!("a long prompt's batches: stock {stock_batches:?}, alone {whole_batches:?}, beside a decode {beside:?}; read {:.1} MiB as one batch, {:.1} MiB at -b 2048", read / 1048576.0, cut_read / 1048576.0);
+}
+
 /// A streamed chat completion asking the prompt's progress
 /// (`return_progress`): its text and its `prompt_progress` objects in order.
 fn streamed_chat_progress(port: u16, text: &str) -> (String, Vec<Value>) {

@@ -59,6 +59,7 @@ pub fn install() {
             experts_ahead: Some(experts_ahead),
             group_layer: Some(group_layer),
             report: Some(report),
+            shared_batch: Some(shared_batch),
             remote_paged: Some(rpc::remote_paged),
             rpc_claim: Some(rpc::rpc_claim),
             rpc_claimed: Some(rpc::rpc_claimed),
@@ -80,6 +81,10 @@ pub fn install() {
 
 extern "C" fn abort_requested(_: *mut c_void) -> bool {
     guard("abort_requested", failure::abort_requested)
+}
+
+extern "C" fn shared_batch(_: *mut c_void) -> i32 {
+    guard("shared_batch", runtime::batching::shared_batch)
 }
 
 extern "C" fn compute_buffers(_: *mut c_void, ctx: *const c_void, bytes: usize, one_output: usize) {

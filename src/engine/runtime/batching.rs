@@ -1,5 +1,5 @@
-//! The logical batch (`-b`) sdq gives llama-completion and llama-cli under a
-//! budget when the user gives none.
+//! The logical batch (`-b`) sdq gives a tool under a budget when the user
+//! gives none.
 //!
 //! Each `llama_decode` reads the experts its ubatches touch (they are
 //! computed layer by layer across the batch, see `groups`), so a prompt cut
@@ -9,16 +9,22 @@
 //! and each cut every `-ub`; where `-ub` divides 2,048, cutting every
 //! multiple of `-ub` gives the same ubatches, and so the same values.
 //!
-//! llama-server is left alone: its batches mix the tokens of every slot
-//! (one slot's prompt beside another's decode), and a larger `-b` would mix
-//! them differently. So is a tool that drafts (MTP asks logits at every
-//! prompt position, `n_vocab` floats a token of the batch), and one that
-//! moves its cache between batches: llama-completion's context shift and
-//! self-extend (`--context-shift`, `-gan`) act before each batch, so where
-//! the batches are cut decides where they act.
+//! llama-completion and llama-cli get `-b` of the context. llama-server gets
+//! it too, but its batches hold the tokens of every slot (one slot's prompt
+//! beside another's decode): there the raised `-b` is for a prompt alone in
+//! its batch, and a batch that holds other slots' tokens is held to stock's
+//! (`shared_batch`, read by patch 0016), so the others' decode goes on
+//! between a long prompt's pieces as in stock. Left alone: a tool that
+//! drafts (MTP asks logits at every prompt position, `n_vocab` floats a
+//! token of the batch), one that moves its cache between batches
+//! (llama-completion's context shift and self-extend, `--context-shift` and
+//! `-gan`, act before each batch, so where the batches are cut decides where
+//! they act), and llama-server's embeddings and reranking (a prompt there is
+//! one ubatch, and the server sets `-b` to `-ub` itself).
 
 use crate::engine::memory::growth;
 use crate::error::Result;
+use std::sync::atomic::{AtomicI32, Ordering};
 
 /// Stock llama.cpp's `-b` and `-ub` (`common_params::n_batch`, `n_ubatch`).
 pub const STOCK_BATCH: i64 = 2048;
@@ -36,6 +42,8 @@ pub struct BatchFlags {
     pub speculative: bool,
     /// `--context-shift` is on, or `-gan` is not 1.
     pub moves_cache: bool,
+    /// llama-server computes embeddings or reranks (`--embeddings`, `--rerank`).
+    pub embeddings: bool,
 }
 
 impl BatchFlags {
@@ -45,8 +53,10 @@ impl BatchFlags {
             ubatch: growth::flag_value(args, &["-ub", "--ubatch-size"], "LLAMA_ARG_UBATCH", getenv)?,
             ctx: growth::flag_value(args, &["-c", "--ctx-size"], "LLAMA_ARG_CTX_SIZE", getenv)?,
             speculative: growth::speculative(args, getenv),
-            moves_cache: context_shift(args, getenv)
+            moves_cache: switched_on(args, &["--context-shift"], &["--no-context-shift"], "LLAMA_ARG_CONTEXT_SHIFT", getenv)
                 || growth::flag_value(args, &["-gan", "--grp-attn-n"], "LLAMA_ARG_GRP_ATTN_N", getenv)?.is_some_and(|n| n != 1),
+            embeddings: switched_on(args, &["--embedding", "--embeddings"], &[], "LLAMA_ARG_EMBEDDINGS", getenv)
+                || switched_on(args, &["--rerank", "--reranking"], &[], "LLAMA_ARG_RERANKING", getenv),
         })
     }
 
@@ -64,23 +74,57 @@ impl BatchFlags {
     /// prompt past the rounded-down `-b` is cut there, at a multiple of
     /// `-ub`, as stock cuts it at 2,048.
     pub fn whole_prompt_batch(&self) -> Option<i64> {
+        self.raised(self.ctx)
+    }
+
+    /// llama-server's `-b` for a prompt alone in its batch: as
+    /// `whole_prompt_batch`, of `-c`, or where it is not given (or 0) of the
+    /// context the model was trained with, which llama.cpp takes then
+    /// (llama.cpp caps its batch at the context it ends up with, and a
+    /// server's prompt never outgrows its slot's context, so a batch alone
+    /// is never cut at that cap). None with embeddings or reranking.
+    pub fn lone_prompt_batch(&self, trained_context: Option<u64>) -> Option<i64> {
+        if self.embeddings {
+            return None;
+        }
+        let ctx = self.ctx.filter(|&c| c > 0).or_else(|| trained_context.and_then(|c| i64::try_from(c).ok()));
+        self.raised(ctx)
+    }
+
+    fn raised(&self, ctx: Option<i64>) -> Option<i64> {
         let ubatch = self.ubatch.unwrap_or(STOCK_UBATCH);
         if self.batch.is_some() || self.speculative || self.moves_cache || ubatch <= 0 || STOCK_BATCH % ubatch != 0 {
             return None;
         }
-        let ctx = self.ctx.filter(|&c| c > STOCK_BATCH)?;
+        let ctx = ctx.filter(|&c| c > STOCK_BATCH)?;
         Some(ctx / ubatch * ubatch).filter(|&b| b > STOCK_BATCH)
     }
 }
 
-/// Whether `--context-shift` is on: the last of it and `--no-context-shift`
-/// on the command line, else `LLAMA_ARG_CONTEXT_SHIFT` set to anything but
-/// a false value (off by default).
-fn context_shift(args: &[String], getenv: &dyn Fn(&str) -> Option<String>) -> bool {
-    let last = args.iter().skip(1).rev().find(|a| *a == "--context-shift" || *a == "--no-context-shift");
+/// Stock's `-b` where sdq raised llama-server's for a prompt alone in its
+/// batch (0 where it did not): a batch that holds other slots' tokens is
+/// held to it. Set once, before the server starts.
+static SHARED_BATCH: AtomicI32 = AtomicI32::new(0);
+
+/// Says that llama-server's `-b` was raised (`lone_prompt_batch`).
+pub fn raise_server_batch() {
+    SHARED_BATCH.store(STOCK_BATCH as i32, Ordering::Relaxed);
+}
+
+/// The `-b` a llama-server batch holding several slots' tokens is held to,
+/// or 0 where sdq left the server's `-b` alone.
+pub fn shared_batch() -> i32 {
+    SHARED_BATCH.load(Ordering::Relaxed)
+}
+
+/// Whether a switch that is off by default is on: the last of its `on` and
+/// `off` flags on the command line, else `env` set to anything but a false
+/// value.
+fn switched_on(args: &[String], on: &[&str], off: &[&str], env: &str, getenv: &dyn Fn(&str) -> Option<String>) -> bool {
+    let last = args.iter().skip(1).rev().find(|a| on.contains(&a.as_str()) || off.contains(&a.as_str()));
     match last {
-        Some(a) => a == "--context-shift",
-        None => getenv("LLAMA_ARG_CONTEXT_SHIFT").is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "off" | "disabled")),
+        Some(a) => on.contains(&a.as_str()),
+        None => getenv(env).is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "off" | "disabled")),
     }
 }
 
@@ -130,6 +174,30 @@ mod tests {
         ] {
             assert_eq!(flags(args, env).whole_prompt_batch(), None, "{args:?} {env:?}");
         }
+    }
+
+    #[test]
+    fn the_server_takes_the_trained_context_where_c_is_not_given() {
+        let trained = Some(131_072);
+        assert_eq!(flags(&[], &[]).lone_prompt_batch(trained), Some(131_072));
+        assert_eq!(flags(&["-c", "0"], &[]).lone_prompt_batch(trained), Some(131_072));
+        assert_eq!(flags(&["-c", "8448"], &[]).lone_prompt_batch(trained), Some(8192));
+        assert_eq!(flags(&[], &[]).lone_prompt_batch(Some(5000)), Some(4608));
+        for (args, env) in [
+            (&["-b", "2048"][..], &[][..]),
+            (&["--embeddings"][..], &[][..]),
+            (&["--rerank"][..], &[][..]),
+            (&[][..], &[("LLAMA_ARG_EMBEDDINGS", "1")][..]),
+            (&["-md", "draft.gguf"][..], &[][..]),
+            (&["-ub", "384"][..], &[][..]),
+        ] {
+            assert_eq!(flags(args, env).lone_prompt_batch(trained), None, "{args:?} {env:?}");
+        }
+        // No context known, or none larger than stock's -b.
+        assert_eq!(flags(&[], &[]).lone_prompt_batch(None), None);
+        assert_eq!(flags(&[], &[]).lone_prompt_batch(Some(2048)), None);
+        assert_eq!(flags(&["--embeddings", "--no-context-shift"], &[("LLAMA_ARG_EMBEDDINGS", "false")]).lone_prompt_batch(trained), None);
+        assert_eq!(flags(&[], &[("LLAMA_ARG_EMBEDDINGS", "false")]).lone_prompt_batch(trained), Some(131_072));
     }
 
     #[test]

@@ -20,6 +20,9 @@ pub struct ModelCheck {
     pub routed_expert_tensors: usize,
     /// One sequence's recurrent state (`growth::checkpoint_bytes`).
     pub checkpoint_bytes: u64,
+    /// The context the model was trained with (`{arch}.context_length`),
+    /// which llama.cpp takes where `-c` is not given (before fitting it).
+    pub trained_context: Option<u64>,
 }
 
 /// Checks the model at `path` (the first part, for a split GGUF).
@@ -35,6 +38,10 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
         check_expert_counts(path, &first)?;
     }
     let checkpoint_bytes = crate::engine::memory::growth::checkpoint_bytes(&first);
+    let trained_context = match first.get("general.architecture") {
+        Some(Value::Str(arch)) => first.get(&format!("{arch}.context_length")).and_then(|v| v.as_u64()),
+        _ => None,
+    };
     if count > 1 {
         let prefix = split_prefix(path, count)
             .ok_or_else(|| Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf")))?;
@@ -65,7 +72,7 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
             files.push(part);
         }
     }
-    Ok(ModelCheck { files, routed_expert_tensors: routed, checkpoint_bytes })
+    Ok(ModelCheck { files, routed_expert_tensors: routed, checkpoint_bytes, trained_context })
 }
 
 /// `PREFIX` of `PREFIX-00001-of-0000N.gguf`.
