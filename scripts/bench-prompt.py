@@ -10,6 +10,9 @@ tokens, every run starts with the page cache dropped and runs under
 throttled by the kernel):
   llama-completion -f PROMPT(N) -n --tokens --top-k 1 -c CTX -t 2
   --ram-budget B [-b 2048 for the "before" and "cut" rows, -b CTX for "whole"]
+or, with --tool server, llama-server -c CTX -t 2 with the same flags, the
+prompt's text sent as one user message to /v1/chat/completions (greedy,
+--tokens tokens) and the server stopped after the answer.
 The stats file gives the prompt's bytes read (`prompt.bytes_read`), the
 bytes of the distinct experts it touched (`prompt.touched_bytes`: reading
 each once), its groups, and the decode after it; llama.cpp's own timings
@@ -30,7 +33,7 @@ Writes NAME.json, NAME.md and (with matplotlib) NAME.png into --out.
 Usage: scripts/bench-prompt.py --model M [--budgets 6,8] [--read-rates 600,200] [--prompts 512,2048,8192]
                             [--runs 1] [--tokens 8] [--ctx 8448]
                             [--compute-stock | --compute-cuts A,B --depth N [--compute-budget 18] | --compute-json F]
-                            [--ways before,cut,grouped,whole] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
+                            [--ways before,cut,grouped,whole] [--tool server] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
        scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME [--compute-json J]   (the table and plot again)
 """
 import argparse
@@ -83,6 +86,18 @@ def completion(model, prompt, tokens, ctx, extra):
             "-t", "2", "-c", str(ctx), "--seed", "1"] + extra
 
 
+def stats_figures(stats):
+    """A run's prompt, groups and decode figures from its stats file ({} without one)."""
+    s = benchlib.read_json(stats)
+    if not s:
+        return {}
+    return dict(bytes_read=s["prompt"]["bytes_read"], touched_bytes=s["prompt"]["touched_bytes"], groups=s["prompt_groups"]["groups"],
+                grouped_ubatches=s["prompt_groups"]["ubatches"], group_peak_bytes=s["prompt_groups"].get("peak_bytes"), arena_bytes=s.get("arena_bytes"),
+                peak_rss_anon=s["peak_rss_anon_bytes"], decode_mib_per_token=s["decode"]["mib_read_per_token"], decode_seconds=s["decode"]["seconds"],
+                decode_steps=s["decode"]["steps"], read_wait_seconds=s.get("read_wait_seconds"),
+                prompt_read_wait_seconds=s["prompt"].get("read_wait_seconds"), convert_seconds=s.get("convert_seconds"))
+
+
 def limited(cmd, budget, rate, tmp, env, timeout):
     report, stats = benchlib.fresh_files(tmp, "limit.json", "stats.json")
     benchlib.drop_page_cache("bench-prompt", "runs would not start cold", fatal=True)
@@ -92,15 +107,42 @@ def limited(cmd, budget, rate, tmp, env, timeout):
     ms, n = prompt_timing(err)
     row = {"exit_code": code, "prompt_ms": ms, "prompt_tokens": n, "decode_tps": decode_tps(err), "text": out}
     row.update(benchlib.limit_figures(report))
-    s = benchlib.read_json(stats)
-    if s:
-        row.update(bytes_read=s["prompt"]["bytes_read"], touched_bytes=s["prompt"]["touched_bytes"], groups=s["prompt_groups"]["groups"],
-                   grouped_ubatches=s["prompt_groups"]["ubatches"], group_peak_bytes=s["prompt_groups"].get("peak_bytes"), arena_bytes=s.get("arena_bytes"), peak_rss_anon=s["peak_rss_anon_bytes"],
-                   decode_mib_per_token=s["decode"]["mib_read_per_token"], decode_seconds=s["decode"]["seconds"], decode_steps=s["decode"]["steps"],
-                   read_wait_seconds=s.get("read_wait_seconds"), prompt_read_wait_seconds=s["prompt"].get("read_wait_seconds"),
-                   convert_seconds=s.get("convert_seconds"))
+    row.update(stats_figures(stats))
     if code != 0:
         row["stderr_tail"] = err[-1500:]
+    return row
+
+
+def limited_server(model, prompt, tokens, ctx, extra, budget, rate, tmp, env, timeout):
+    """As `limited`, for llama-server: the prompt file's text as one user
+    message to /v1/chat/completions (greedy, `tokens` tokens), the server
+    started cold in the limit and stopped after the answer (its stats
+    file). The prompt's seconds and tokens are the server's own timings."""
+    report, stats = benchlib.fresh_files(tmp, "limit.json", "stats.json")
+    err_path = os.path.join(tmp, "server.err")
+    benchlib.drop_page_cache("bench-prompt", "runs would not start cold", fatal=True)
+    text = open(prompt).read()
+
+    def cmd(port):
+        return ([os.path.join(BIN, "sdq"), "limit", "--memory", f"{budget}G", "--read-rate", f"{rate}M", "--report", report, "--",
+                 os.path.join(BIN, "llama-server"), "-m", model, "--host", "127.0.0.1", "--port", str(port), "-t", "2", "-c", str(ctx),
+                 "--seed", "1", "--no-webui"] + extra + ["--ram-budget", f"{budget}G", "--sdq-stats", stats])
+
+    row = {"prompt_ms": None, "prompt_tokens": None, "decode_tps": None, "text": None}
+
+    def use(url):
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": tokens, "top_k": 1, "seed": 1}
+        v = benchlib.post_json(url + "/v1/chat/completions", body, timeout)
+        t = v["timings"]
+        row.update(prompt_ms=t["prompt_ms"], prompt_tokens=t["prompt_n"], decode_tps=t.get("predicted_per_second"),
+                   text=v["choices"][0]["message"]["content"])
+
+    code = benchlib.serve(row, cmd, err_path, timeout, use, env=env)
+    row["exit_code"] = row["exit_code"] or (0 if row["prompt_ms"] is not None else code or 1)
+    row.update(benchlib.limit_figures(report))
+    row.update(stats_figures(stats))
+    if row["exit_code"] != 0 and "stderr_tail" not in row:
+        row["stderr_tail"] = open(err_path, errors="replace").read()[-1500:]
     return row
 
 
@@ -217,6 +259,8 @@ def main():
     ap.add_argument("--ways", default="before,cut,grouped", help="which of before, cut (-b 2048), grouped (default flags) and whole to run, in this order")
     ap.add_argument("--faster", type=float, default=4.0)
     ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--tool", choices=("completion", "server"), default="completion",
+                    help="llama-completion -f PROMPT, or llama-server given the prompt as a chat message")
     ap.add_argument("--label", default="")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "bench"))
     ap.add_argument("--name", default="prompt")
@@ -286,7 +330,10 @@ def main():
                         continue
                     runs = []
                     for _ in range(a.runs):
-                        r = limited(completion(a.model, files[n], a.tokens, a.ctx, extra), budget, rate, tmp, env, a.timeout)
+                        if a.tool == "server":
+                            r = limited_server(a.model, files[n], a.tokens, a.ctx, extra, budget, rate, tmp, env, a.timeout)
+                        else:
+                            r = limited(completion(a.model, files[n], a.tokens, a.ctx, extra), budget, rate, tmp, env, a.timeout)
                         runs.append(r)
                         if r.get("prompt_tokens"):
                             tokens_of[n] = r["prompt_tokens"]
@@ -298,7 +345,7 @@ def main():
                     # Written after every row: a long matrix stopped part way
                     # keeps what it measured.
                     res = {"date": datetime.date.today().isoformat(), "machine": platform.node(), "model": a.model, "label": a.label,
-                           "ctx": a.ctx, "compute_seconds": compute, "faster": a.faster, "rows": rows}
+                           "tool": a.tool, "ctx": a.ctx, "compute_seconds": compute, "faster": a.faster, "rows": rows}
                     os.makedirs(a.out, exist_ok=True)
                     json.dump(res, open(os.path.join(a.out, f"{a.name}.json"), "w"), indent=1)
                     write_md(res, os.path.join(a.out, f"{a.name}.md"))
@@ -307,7 +354,7 @@ def main():
 
 def write_md(res, path):
     lines = [f"# Long prompts: {os.path.basename(res['model'])} {res['label']}", "",
-             f"{res['date']}, {res['machine']}, `-c {res['ctx']} -t 2`, each run cold in `sdq limit --memory B --read-rate R`.", "",
+             f"{res['date']}, {res['machine']}, {'llama-server, the prompt as a chat message, ' if res.get('tool') == 'server' else ''}`-c {res['ctx']} -t 2`, each run cold in `sdq limit --memory B --read-rate R`.", "",
              "| budget | disk | prompt tokens | order | s | MiB read | MiB touched (once) | bound s (reads, compute) | ratio | groups |"
              f" decode after: tok/s, MiB/token, ×its bound | {res['faster']:g}x compute: s (projection) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -334,6 +381,8 @@ def plot(res, path):
         return
     rows = [r for r in res["rows"] if "seconds" in r]
     keys = sorted({(r["budget_gib"], r["read_rate_mibs"]) for r in rows})
+    if not keys:
+        return
     fig, axes = plt.subplots(1, len(keys), figsize=(4.5 * len(keys), 4), squeeze=False)
     for ax, (b, rate) in zip(axes[0], keys):
         sel = [r for r in rows if (r["budget_gib"], r["read_rate_mibs"]) == (b, rate)]

@@ -80,15 +80,16 @@ def complete(url, prompt, n, timeout):
     return v["content"], v["timings"]
 
 
-def serve(row, make_cmd, err_path, timeout, use, stop_timeout=120):
+def serve(row, make_cmd, err_path, timeout, use, stop_timeout=120, env=None):
     """Runs llama-server as `make_cmd(port)` gives it (stderr into
-    `err_path`, no SDQ_ variables), calls `use(url)` once it answers
-    /health, and stops it. A request that fails (OSError) sets `row`'s
-    exit_code to 1 and its error; a failed row gets stderr's tail. Returns
-    the server's exit code."""
+    `err_path`, no SDQ_ variables but those of `env`), calls `use(url)` once
+    it answers /health, and stops it. A request that fails (OSError) sets
+    `row`'s exit_code to 1 and its error; a failed row gets stderr's tail.
+    Returns the server's exit code."""
     port = free_port()
     with open(err_path, "w+") as err:
-        p = subprocess.Popen(make_cmd(port), env=without_sdq_env(), stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(make_cmd(port), env={**without_sdq_env(), **(env or {})}, stdout=subprocess.DEVNULL, stderr=err,
+                             stdin=subprocess.DEVNULL)
         row.setdefault("exit_code", 0)
         try:
             wait_healthy(f"http://127.0.0.1:{port}", p, timeout)
