@@ -96,9 +96,8 @@ fn check_models(program: &str, args: &[OsString]) -> Vec<preflight::ModelCheck> 
 /// The draft model the tool will load after its target (`-md`), if it has
 /// routed experts and is another file: its experts are paged beside the
 /// target's. Checked as the target is; exits with the error if unusable.
-fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::ModelCheck]) -> Option<std::path::PathBuf> {
-    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-    let path = std::path::PathBuf::from(growth::draft_model(&text, &|k| std::env::var(k).ok())?);
+fn draft_with_experts(program: &str, args: &[String], targets: &[preflight::ModelCheck]) -> Option<std::path::PathBuf> {
+    let path = std::path::PathBuf::from(growth::draft_model(args, &|k| std::env::var(k).ok())?);
     if targets.iter().any(|t| t.files.first() == Some(&path)) {
         return None;
     }
@@ -112,13 +111,12 @@ fn draft_with_experts(program: &str, args: &[OsString], targets: &[preflight::Mo
 /// Fits the tool's growth after load (prompt cache, context checkpoints) into
 /// the reserve: sets upstream's variables for what the user left alone and
 /// raises the reserve for what they asked for (see `growth`).
-fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, opts: &mut Options) {
+fn fit_growth(program: &str, args: &[String], checkpoint: u64, budget: u64, opts: &mut Options) {
     let fail = |e: crate::error::Error| -> ! {
         stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     };
-    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-    let settings = growth::ToolSettings::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| fail(e));
+    let settings = growth::ToolSettings::from_args_and_env(args, &|k| std::env::var(k).ok()).unwrap_or_else(|e| fail(e));
     let reserve = opts.reserve.unwrap_or_else(|| crate::engine::memory::budget::default_reserve(budget));
     let plan = growth::plan(&settings, reserve, checkpoint).unwrap_or_else(|e| fail(e));
     for (k, v) in &plan.env {
@@ -138,9 +136,8 @@ fn fit_growth(program: &str, args: &[OsString], checkpoint: u64, budget: u64, op
 /// `-b` alone and it changes no ubatch; llama-server gets it for a prompt
 /// alone in its batch (see `batching`). Set as `LLAMA_ARG_BATCH`, which
 /// llama.cpp's parser reads only for a flag the command line does not give.
-fn whole_prompt_batch(program: &str, args: &[OsString], checks: &[preflight::ModelCheck]) {
-    let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
-    let flags = batching::BatchFlags::from_args_and_env(&text, &|k| std::env::var(k).ok()).unwrap_or_else(|e| {
+fn whole_prompt_batch(program: &str, args: &[String], checks: &[preflight::ModelCheck]) {
+    let flags = batching::BatchFlags::from_args_and_env(args, &|k| std::env::var(k).ok()).unwrap_or_else(|e| {
         stderr_line!("{program}: error: {e}");
         std::process::exit(1);
     });
@@ -276,14 +273,16 @@ pub fn run(entry: Entry) -> ! {
             // goes on (patch 0004); every other tool ends with the error.
             runtime::failure::allow_batch_abort();
         }
+        // The flags as text, for the readers of upstream's flags below.
+        let text: Vec<String> = args.iter().map(|a| a.to_string_lossy().into_owned()).collect();
         if tool_has_prompt_cache(&program) {
             let checkpoint = checks.first().map_or(0, |c| c.checkpoint_bytes);
-            fit_growth(&program, &args, checkpoint, budget, &mut opts);
+            fit_growth(&program, &text, checkpoint, budget, &mut opts);
         }
         if tool_is(&program, "llama-completion") || tool_is(&program, "llama-cli") || tool_is(&program, "llama-server") {
-            whole_prompt_batch(&program, &args, &checks);
+            whole_prompt_batch(&program, &text, &checks);
         }
-        let draft = draft_with_experts(&program, &args, &checks);
+        let draft = draft_with_experts(&program, &text, &checks);
         if draft.is_some() && opts.trace_file.is_some() {
             stderr_line!("{program}: error: --sdq-trace records one model's routing, and the draft model has routed experts too: trace without -md");
             std::process::exit(1);
