@@ -75,7 +75,7 @@ struct ModelMeta {
 
 impl ModelMeta {
     fn read(g: &Gguf, arch: &str) -> ModelMeta {
-        let key = |k: &str| g.get(&format!("{arch}.{k}")).and_then(|v| v.as_u64());
+        let key = |k: &str| g.arch_u64(k);
         let blocks = key("block_count").unwrap_or(0) as u32;
         let entries = |k: &str| match g.get(k) {
             Some(crate::engine::model::gguf::Value::Array(a)) => a.len() as u64,
@@ -106,7 +106,7 @@ impl ModelMeta {
     /// window and one batch; latent attention caches its compressed key),
     /// recurrent state, and the process.
     fn context_bytes(&self, names: &[&str], g: &Gguf) -> u64 {
-        let key = |k: &str| g.get(&format!("{}.{k}", self.arch)).and_then(|v| v.as_u64());
+        let key = |k: &str| g.arch_u64(k);
         let n_head = key("attention.head_count").unwrap_or(1);
         let n_head_kv = key("attention.head_count_kv").unwrap_or(n_head);
         let n_embd = key("embedding_length").unwrap_or(0);
@@ -225,8 +225,8 @@ impl ModelFiles {
     fn open(model: &Path) -> Result<ModelFiles> {
         let first = Gguf::open(model)?;
         let files = model_files(model, &first)?;
-        let arch = first.get("general.architecture").and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
-        let top_k = first.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).unwrap_or(0) as usize;
+        let arch = first.architecture().unwrap_or_default();
+        let top_k = first.arch_u64("expert_used_count").unwrap_or(0) as usize;
         let mut file_bytes = 0;
         let mut tensors: Vec<(u32, TensorInfo)> = Vec::new();
         let mut paths = BTreeMap::new();

@@ -12,7 +12,7 @@
 //! they asked for, with a notice; an unlimited cache cannot be held to any
 //! budget and is an error.
 
-use crate::engine::model::gguf::{Gguf, Value};
+use crate::engine::model::gguf::Gguf;
 use crate::error::{Error, Result};
 use crate::units::{human, MIB};
 use std::collections::BTreeSet;
@@ -103,10 +103,7 @@ fn last_value(args: &[String], flags: &[&str]) -> Option<String> {
 /// over the model's recurrent layers: the size of one context checkpoint.
 /// Zero for a model without recurrent layers.
 pub fn checkpoint_bytes(g: &Gguf) -> u64 {
-    let Some(Value::Str(arch)) = g.get("general.architecture") else {
-        return 0;
-    };
-    let key = |k: &str| g.get(&format!("{arch}.ssm.{k}")).and_then(|v| v.as_u64()).unwrap_or(0);
+    let key = |k: &str| g.arch_u64(&format!("ssm.{k}")).unwrap_or(0);
     let (d_conv, d_inner, n_group, d_state) = (key("conv_kernel"), key("inner_size"), key("group_count"), key("state_size"));
     let tensors = g.tensors();
     let mut recurrent = BTreeSet::new();

@@ -185,6 +185,22 @@ impl Gguf {
         (id >= 0).then(|| self.value(id))
     }
 
+    /// `general.architecture`, the prefix of every model key (`qwen35moe`,
+    /// `deepseek2`, …), or None where the file has none or it is not text.
+    pub fn architecture(&self) -> Option<String> {
+        match self.get("general.architecture") {
+            Some(Value::Str(arch)) => Some(arch),
+            _ => None,
+        }
+    }
+
+    /// The whole number `{architecture}.{key}` (`expert_used_count`,
+    /// `context_length`, `ssm.state_size`, …), or None where the file has no
+    /// architecture, no such key, or a value that is not a whole number.
+    pub fn arch_u64(&self, key: &str) -> Option<u64> {
+        self.get(&format!("{}.{key}", self.architecture()?)).and_then(|v| v.as_u64())
+    }
+
     /// Reads key `id`, dispatching on its stored type (ggml asserts the exact type).
     fn value(&self, id: i64) -> Value {
         let ctx = self.raw();

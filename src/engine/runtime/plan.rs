@@ -148,8 +148,7 @@ impl Runtime {
             r.loading().path.clone()
         };
         let g = crate::engine::model::gguf::Gguf::open(&path)?;
-        let Some(crate::engine::model::gguf::Value::Str(arch)) = g.get("general.architecture") else { return Ok(None) };
-        Ok(g.get(&format!("{arch}.expert_used_count")).and_then(|v| v.as_u64()).map(|k| k as usize))
+        Ok(g.arch_u64("expert_used_count").map(|k| k as usize))
     }
 
     /// The memory of the projector the tool loads (`--mmproj`): its weights

@@ -5,7 +5,7 @@
 //! is wrong, instead of a page of loader errors or, worse, a run that pages
 //! garbage.
 
-use crate::engine::model::gguf::{Gguf, Value};
+use crate::engine::model::gguf::Gguf;
 use crate::engine::pager::layout::Part;
 use crate::error::{Error, Result};
 use std::io::Read;
@@ -38,10 +38,7 @@ pub fn check_model(path: &Path) -> Result<ModelCheck> {
         check_expert_counts(path, &first)?;
     }
     let checkpoint_bytes = crate::engine::memory::growth::checkpoint_bytes(&first);
-    let trained_context = match first.get("general.architecture") {
-        Some(Value::Str(arch)) => first.get(&format!("{arch}.context_length")).and_then(|v| v.as_u64()),
-        _ => None,
-    };
+    let trained_context = first.arch_u64("context_length");
     if count > 1 {
         let prefix = split_prefix(path, count)
             .ok_or_else(|| Error::gguf(path, format!("a split GGUF of {count} parts must be named PREFIX-00001-of-{count:05}.gguf")))?;
@@ -85,10 +82,7 @@ fn split_prefix(path: &Path, count: u64) -> Option<String> {
 /// and between 1 and that many experts used per token. llama.cpp would abort
 /// on these at load; sdq's own accounting divides and clamps by them first.
 pub fn check_expert_counts(path: &Path, g: &Gguf) -> Result<()> {
-    let arch = match g.get("general.architecture") {
-        Some(Value::Str(a)) => a.clone(),
-        _ => return Err(Error::gguf(path, "has routed-expert tensors but no general.architecture")),
-    };
+    let arch = g.architecture().ok_or_else(|| Error::gguf(path, "has routed-expert tensors but no general.architecture"))?;
     let key = |k: &str| {
         let name = format!("{arch}.{k}");
         match g.get(&name) {
@@ -134,7 +128,7 @@ fn check_file(path: &Path) -> Result<Gguf> {
             return Err(Error::gguf(path, format!("tensor {} runs to byte {end}, past the end of the file ({len} bytes): truncated or corrupt", t.name)));
         }
     }
-    if let Some(Value::Str(arch)) = g.get("general.architecture") {
+    if let Some(arch) = g.architecture() {
         log::debug!("{}: {arch}, {} tensors", path.display(), g.tensors().len());
     }
     Ok(g)
