@@ -106,6 +106,8 @@ def limited(cmd, budget, rate, tmp, env, timeout):
     code, out, err = benchlib.run_session(full, timeout, env={**os.environ, **env})
     ms, n = prompt_timing(err)
     row = {"exit_code": code, "prompt_ms": ms, "prompt_tokens": n, "decode_tps": decode_tps(err), "text": out}
+    if code is None:
+        row["killed_after_s"] = timeout
     row.update(benchlib.limit_figures(report))
     row.update(stats_figures(stats))
     if code != 0:
@@ -258,7 +260,9 @@ def main():
     ap.add_argument("--compute-budget", type=float, default=18.0)
     ap.add_argument("--ways", default="before,cut,grouped", help="which of before, cut (-b 2048), grouped (default flags) and whole to run, in this order")
     ap.add_argument("--faster", type=float, default=4.0)
-    ap.add_argument("--timeout", type=int, default=3600)
+    # An 8k prompt on DeepSeek-V3 at 19 layers computes for about 55 minutes on
+    # two cores before it reads anything twice: an hour cut such runs off.
+    ap.add_argument("--timeout", type=int, default=3 * 3600, help="seconds a run may take before it is killed and recorded as such")
     ap.add_argument("--tool", choices=("completion", "server"), default="completion",
                     help="llama-completion -f PROMPT, or llama-server given the prompt as a chat message")
     ap.add_argument("--label", default="")
@@ -337,7 +341,8 @@ def main():
                         runs.append(r)
                         if r.get("prompt_tokens"):
                             tokens_of[n] = r["prompt_tokens"]
-                        print(f"bench-prompt: {budget:g} GiB, {rate:g} MiB/s, {n} tokens, {way}: exit {r['exit_code']}, "
+                        ended = f"killed at --timeout {r['killed_after_s']} s" if "killed_after_s" in r else f"exit {r['exit_code']}"
+                        print(f"bench-prompt: {budget:g} GiB, {rate:g} MiB/s, {n} tokens, {way}: {ended}, "
                               f"{(r['prompt_ms'] or 0) / 1000:.1f} s, read {r.get('bytes_read', 0) / MIB:.0f} MiB "
                               f"of {r.get('touched_bytes', 0) / MIB:.0f} touched", file=sys.stderr)
                     row = {"budget_gib": budget, "read_rate_mibs": rate, "prompt": n, "way": way, "runs": runs}
