@@ -24,7 +24,9 @@ llama-bench under a budget holding every expert on two cuts of the model,
 scaled to --depth paged layers (--compute-cuts A,B: for a model larger than
 RAM); or --compute-json from an earlier run. Decode after the prompt is set
 against its own bound the same way: its MiB a token at the disk's rate, or
-the resident decode (tg32 on the cuts), whichever is slower. A line for a machine with --faster
+the resident decode (tg32 on the cuts; with --decode-json, tg32 after a
+context as long as the prompt, llama-bench -d, from --decode-depths),
+whichever is slower. A line for a machine with --faster
 times this one's compute is projected from the measured reads and compute,
 and labelled as a projection.
 
@@ -34,7 +36,8 @@ Usage: scripts/bench-prompt.py --model M [--budgets 6,8] [--read-rates 600,200] 
                             [--runs 1] [--tokens 8] [--ctx 8448]
                             [--compute-stock | --compute-cuts A,B --depth N [--compute-budget 18] | --compute-json F]
                             [--ways before,cut,grouped,whole] [--tool server] [--faster 4] [--label TEXT] [--out docs/bench] [--name prompt]
-       scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME [--compute-json J]   (the table and plot again)
+       scripts/bench-prompt.py --compute-cuts A,B --depth N --decode-depths 522,2115,8520 --name NAME   (NAME-decode.json)
+       scripts/bench-prompt.py --from-json docs/bench/NAME.json --name NAME [--compute-json J] [--decode-json D]   (the table and plot again)
 """
 import argparse
 import datetime
@@ -187,6 +190,56 @@ def cut_compute(cut, prompts, budget):
     return out
 
 
+def cut_decode_at(cut, depths, budget):
+    """ms a decoded token on `cut`, resident, after a context of each of
+    `depths` tokens: llama-bench -d fills the context untimed, then times 32
+    tokens. Attention's share of a token grows with what it attends to (on
+    DeepSeek-V3's MLA it is most of it past a few thousand tokens), so
+    decode after a long prompt is held to the decode at its depth, not to
+    an empty context's."""
+    with open(cut, "rb") as f:
+        while f.read(64 * MIB):
+            pass
+    cmd = [os.path.join(BIN, "llama-bench"), "-m", cut, "-p", "0", "-n", "32", "-d", ",".join(str(d) for d in depths),
+           "-t", "2", "-r", "1", "--no-warmup", "-o", "json", "--ram-budget", f"{budget}G"]
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        sys.exit(f"bench-prompt: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-1500:]}")
+    return {f"decode_ms@{t['n_depth']}": 1000 / t["avg_ts"] for t in json.loads(p.stdout) if t["n_gen"] > 0}
+
+
+def decode_ms_at(compute, tokens):
+    """(ms, depth) of the resident decode measured nearest a context of
+    `tokens` (within a tenth of it), else the empty context's (depth 0)."""
+    near = [(abs(int(k.split("@")[1]) - tokens), k) for k in compute if k.startswith("decode_ms@")]
+    near = [(d, k) for d, k in near if d <= tokens / 10]
+    if near:
+        k = min(near)[1]
+        return compute[k], int(k.split("@")[1])
+    return compute.get("decode_ms"), 0
+
+
+def scaled(points, depth, skip):
+    """Each figure of two cuts' `points`, scaled linearly in their paged
+    layers to `depth`."""
+    a, b = points
+    return {k: a[k] + (b[k] - a[k]) / (b["layers"] - a["layers"]) * (depth - a["layers"]) for k in a if k not in skip}
+
+
+def scaled_decode(cuts, depth, depths, budget, layers_of):
+    """The resident decode of two cuts of one model at `depths` tokens of
+    context, scaled to `depth` paged layers."""
+    points = []
+    for cut in cuts:
+        c = cut_decode_at(cut, depths, budget)
+        c["layers"] = layers_of(cut)
+        points.append(c)
+        print(f"bench-prompt: decode of {os.path.basename(cut)} ({c['layers']} layers) at depth: {c}", file=sys.stderr)
+    out = scaled(points, depth, ("layers",))
+    out.update(cuts=points, depth=depth)
+    return out
+
+
 def scaled_compute(cuts, depth, prompts, budget, layers_of):
     """The resident compute of two cuts of one model, scaled linearly in
     their paged layers to `depth`."""
@@ -196,9 +249,7 @@ def scaled_compute(cuts, depth, prompts, budget, layers_of):
         c["layers"] = layers_of(cut)
         points.append(c)
         print(f"bench-prompt: compute of {os.path.basename(cut)} ({c['layers']} layers): {c}", file=sys.stderr)
-    a, b = points
-    scale = lambda k: a[k] + (b[k] - a[k]) / (b["layers"] - a["layers"]) * (depth - a["layers"])  # noqa: E731
-    out = {k: scale(k) for k in a if k not in ("layers", "pp512_runs")}
+    out = scaled(points, depth, ("layers", "pp512_runs"))
     out.update(cuts=points, depth=depth)
     return out
 
@@ -226,11 +277,12 @@ def derive(row, compute, faster):
     seconds, read, touched, tokens = med("prompt_ms") / 1000, med("bytes_read"), med("touched_bytes"), ok[0]["prompt_tokens"]
     reads_s, comp = touched / MIB / rate, compute[str(n)] * tokens / n
     bound = max(reads_s, comp)
-    if compute.get("decode_ms") and ok[0].get("decode_mib_per_token") is not None and med("decode_tps"):
+    dec_ms, dec_depth = decode_ms_at(compute, tokens)
+    if dec_ms and ok[0].get("decode_mib_per_token") is not None and med("decode_tps"):
         # Decode's own bound: its reads a token at the cap, or the resident
-        # decode, whichever is slower.
-        dec_bound_tps = 1000 / max(med("decode_mib_per_token") / rate * 1000, compute["decode_ms"])
-        row.update(decode_bound_tps=dec_bound_tps, decode_ratio=med("decode_tps") / dec_bound_tps)
+        # decode after as long a context (where measured), whichever is slower.
+        dec_bound_tps = 1000 / max(med("decode_mib_per_token") / rate * 1000, dec_ms)
+        row.update(decode_bound_tps=dec_bound_tps, decode_ratio=med("decode_tps") / dec_bound_tps, decode_bound_depth=dec_depth)
     row.update(seconds=seconds, tokens=tokens, read_mib=read / MIB, touched_mib=touched / MIB, reads_seconds=reads_s, compute_seconds=comp,
                bound_seconds=bound, ratio=seconds / bound, groups=med("groups"), decode_tps=med("decode_tps"),
                decode_mib_per_token=med("decode_mib_per_token"),
@@ -258,6 +310,9 @@ def main():
     ap.add_argument("--compute-cuts", help="two cuts of the model (gen-model --layers), resident under --compute-budget")
     ap.add_argument("--depth", type=int, help="the model's paged layers, for --compute-cuts")
     ap.add_argument("--compute-budget", type=float, default=18.0)
+    ap.add_argument("--decode-depths", help="with --compute-cuts: measure the resident decode after these many tokens of context "
+                    "(NAME-decode.json) and nothing else")
+    ap.add_argument("--decode-json", help="a NAME-decode.json: decode after a prompt is held to the resident decode at its depth")
     ap.add_argument("--ways", default="before,cut,grouped", help="which of before, cut (-b 2048), grouped (default flags) and whole to run, in this order")
     ap.add_argument("--faster", type=float, default=4.0)
     # An 8k prompt on DeepSeek-V3 at 19 layers computes for about 55 minutes on
@@ -270,12 +325,22 @@ def main():
     ap.add_argument("--name", default="prompt")
     ap.add_argument("--from-json", help="write NAME.md and NAME.png again from an earlier NAME.json (its runs kept)")
     a = ap.parse_args()
+    if a.decode_depths:
+        if not a.compute_cuts or not a.depth:
+            sys.exit("bench-prompt: --decode-depths needs --compute-cuts A,B and --depth N")
+        decode = scaled_decode(a.compute_cuts.split(","), a.depth, [int(d) for d in a.decode_depths.split(",")], a.compute_budget, paged_layers)
+        decode.update(date=datetime.date.today().isoformat(), machine=platform.node())
+        json.dump(decode, open(os.path.join(a.out, f"{a.name}-decode.json"), "w"), indent=1)
+        return
+    # The decode at depth joins the compute figures the bounds are taken from.
+    at_depth = {k: v for k, v in json.load(open(a.decode_json)).items() if k.startswith("decode_ms@")} if a.decode_json else {}
     if a.from_json:
         res = json.load(open(a.from_json))
         # A compute measured after the runs (the cuts of a model that did not
         # fit on the disk beside it) replaces the one they were run with.
         if a.compute_json:
             res["compute_seconds"] = json.load(open(a.compute_json))
+        res["compute_seconds"].update(at_depth)
         compute = res["compute_seconds"]
         res["rows"] = [derive(r, compute, res["faster"]) for r in res["rows"]]
         json.dump(res, open(os.path.join(a.out, f"{a.name}.json"), "w"), indent=1)
@@ -305,6 +370,7 @@ def main():
         sys.exit("bench-prompt: give --compute-stock, --compute-cuts or --compute-json (the bound needs the prompt's resident compute)")
     if not a.model:
         return
+    compute.update(at_depth)
 
     # Before: one ubatch at a time and no prompt read ahead (SDQ_GROUP=1
     # SDQ_PREFETCH=0: the prompt path of the build before patch 0013), at
@@ -372,7 +438,8 @@ def write_md(res, path):
         lines.append(f"| {r['budget_gib']:g} GiB | {r['read_rate_mibs']:g} MiB/s | {r['tokens']} | {r['way']} | {r['seconds']:.1f} | "
                      f"{r['read_mib']:.0f} | {r['touched_mib']:.0f} | {r['bound_seconds']:.1f} ({r['reads_seconds']:.1f}, {r['compute_seconds']:.1f}) | "
                      f"{r['ratio']:.2f} | {r['groups']:g} | {r['decode_tps'] or 0:.2f}, {r['decode_mib_per_token']:.0f}"
-                     f"{', ' + format(r['decode_ratio'], '.2f') if 'decode_ratio' in r else ''} | {r['projected_faster_seconds']:.1f} |")
+                     f"{', ' + format(r['decode_ratio'], '.2f') if 'decode_ratio' in r else ''}"
+                     f"{' (bound at depth ' + str(r['decode_bound_depth']) + ')' if r.get('decode_bound_depth') else ''} | {r['projected_faster_seconds']:.1f} |")
     open(path, "w").write("\n".join(lines) + "\n")
 
 
