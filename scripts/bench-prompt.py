@@ -161,26 +161,30 @@ def stock_compute(model, prompt, tokens, ctx, extra):
     return ms / 1000
 
 
+def resident_bench(cut, args, budget):
+    """llama-bench's tests on `cut` under a budget holding every expert, the
+    page cache warmed first."""
+    with open(cut, "rb") as f:
+        while f.read(64 * MIB):
+            pass
+    cmd = [os.path.join(BIN, "llama-bench"), "-m", cut] + args + ["-t", "2", "-r", "1", "--no-warmup", "-o", "json", "--ram-budget", f"{budget}G"]
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
+    if p.returncode != 0:
+        sys.exit(f"bench-prompt: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-1500:]}")
+    return json.loads(p.stdout)
+
+
 def cut_compute(cut, prompts, budget):
     """Seconds for each prompt of `prompts` tokens and ms a decoded token,
-    resident: llama-bench under a budget holding every expert, the page
-    cache warmed first. Where the budget holds the whole model the pager
+    resident. Where the budget holds the whole model the pager
     preloads every expert in the background once the first batch has run,
     and its reads and conversions take the same two cores: the second
     pp512 of a 1-layer cut ran 12.6-14.0 s against 9.3-9.6 s once the preload
     was done. So 512 tokens are measured three times and the fastest is
     kept (the preload only adds time), and the other prompts come after
     them (llama-bench keeps the model, and so the arena, across its tests)."""
-    with open(cut, "rb") as f:
-        while f.read(64 * MIB):
-            pass
     warm = [512] * WARM_PP512
-    cmd = [os.path.join(BIN, "llama-bench"), "-m", cut, "-p", ",".join(str(n) for n in warm + [n for n in prompts if n != 512]), "-n", "32",
-           "-t", "2", "-r", "1", "--no-warmup", "-o", "json", "--ram-budget", f"{budget}G"]
-    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
-    if p.returncode != 0:
-        sys.exit(f"bench-prompt: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-1500:]}")
-    tests = json.loads(p.stdout)
+    tests = resident_bench(cut, ["-p", ",".join(str(n) for n in warm + [n for n in prompts if n != 512]), "-n", "32"], budget)
     pp = [t for t in tests if t["n_prompt"] > 0]
     tg = [t for t in tests if t["n_gen"] > 0]
     runs512 = [512 / t["avg_ts"] for t in pp[:WARM_PP512]]
@@ -197,15 +201,8 @@ def cut_decode_at(cut, depths, budget):
     DeepSeek-V3's MLA it is most of it past a few thousand tokens), so
     decode after a long prompt is held to the decode at its depth, not to
     an empty context's."""
-    with open(cut, "rb") as f:
-        while f.read(64 * MIB):
-            pass
-    cmd = [os.path.join(BIN, "llama-bench"), "-m", cut, "-p", "0", "-n", "32", "-d", ",".join(str(d) for d in depths),
-           "-t", "2", "-r", "1", "--no-warmup", "-o", "json", "--ram-budget", f"{budget}G"]
-    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", stdin=subprocess.DEVNULL)
-    if p.returncode != 0:
-        sys.exit(f"bench-prompt: {' '.join(cmd)} failed (exit {p.returncode}):\n{p.stderr[-1500:]}")
-    return {f"decode_ms@{t['n_depth']}": 1000 / t["avg_ts"] for t in json.loads(p.stdout) if t["n_gen"] > 0}
+    tests = resident_bench(cut, ["-p", "0", "-n", "32", "-d", ",".join(str(d) for d in depths)], budget)
+    return {f"decode_ms@{t['n_depth']}": 1000 / t["avg_ts"] for t in tests if t["n_gen"] > 0}
 
 
 def decode_ms_at(compute, tokens):
@@ -219,37 +216,19 @@ def decode_ms_at(compute, tokens):
     return compute.get("decode_ms"), 0
 
 
-def scaled(points, depth, skip):
-    """Each figure of two cuts' `points`, scaled linearly in their paged
-    layers to `depth`."""
+def scaled(cuts, depth, measure, what, layers_of):
+    """`measure(cut)`'s figures on two cuts of one model, scaled linearly in
+    their paged layers to `depth` (lists, such as the pp512 runs, are kept
+    with the cuts only)."""
+    points = []
+    for cut in cuts:
+        c = measure(cut)
+        c["layers"] = layers_of(cut)
+        points.append(c)
+        print(f"bench-prompt: {what} of {os.path.basename(cut)} ({c['layers']} layers): {c}", file=sys.stderr)
     a, b = points
-    return {k: a[k] + (b[k] - a[k]) / (b["layers"] - a["layers"]) * (depth - a["layers"]) for k in a if k not in skip}
-
-
-def scaled_decode(cuts, depth, depths, budget, layers_of):
-    """The resident decode of two cuts of one model at `depths` tokens of
-    context, scaled to `depth` paged layers."""
-    points = []
-    for cut in cuts:
-        c = cut_decode_at(cut, depths, budget)
-        c["layers"] = layers_of(cut)
-        points.append(c)
-        print(f"bench-prompt: decode of {os.path.basename(cut)} ({c['layers']} layers) at depth: {c}", file=sys.stderr)
-    out = scaled(points, depth, ("layers",))
-    out.update(cuts=points, depth=depth)
-    return out
-
-
-def scaled_compute(cuts, depth, prompts, budget, layers_of):
-    """The resident compute of two cuts of one model, scaled linearly in
-    their paged layers to `depth`."""
-    points = []
-    for cut in cuts:
-        c = cut_compute(cut, prompts, budget)
-        c["layers"] = layers_of(cut)
-        points.append(c)
-        print(f"bench-prompt: compute of {os.path.basename(cut)} ({c['layers']} layers): {c}", file=sys.stderr)
-    out = scaled(points, depth, ("layers", "pp512_runs"))
+    out = {k: a[k] + (b[k] - a[k]) / (b["layers"] - a["layers"]) * (depth - a["layers"])
+           for k in a if k != "layers" and not isinstance(a[k], list)}
     out.update(cuts=points, depth=depth)
     return out
 
@@ -328,7 +307,8 @@ def main():
     if a.decode_depths:
         if not a.compute_cuts or not a.depth:
             sys.exit("bench-prompt: --decode-depths needs --compute-cuts A,B and --depth N")
-        decode = scaled_decode(a.compute_cuts.split(","), a.depth, [int(d) for d in a.decode_depths.split(",")], a.compute_budget, paged_layers)
+        depths = [int(d) for d in a.decode_depths.split(",")]
+        decode = scaled(a.compute_cuts.split(","), a.depth, lambda c: cut_decode_at(c, depths, a.compute_budget), "decode at depth", paged_layers)
         decode.update(date=datetime.date.today().isoformat(), machine=platform.node())
         json.dump(decode, open(os.path.join(a.out, f"{a.name}-decode.json"), "w"), indent=1)
         return
@@ -360,7 +340,7 @@ def main():
     elif a.compute_cuts:
         if not a.depth:
             sys.exit("bench-prompt: --compute-cuts needs --depth (the model's paged layers)")
-        compute = scaled_compute(a.compute_cuts.split(","), a.depth, prompts, a.compute_budget, paged_layers)
+        compute = scaled(a.compute_cuts.split(","), a.depth, lambda c: cut_compute(c, prompts, a.compute_budget), "compute", paged_layers)
         compute.update(date=datetime.date.today().isoformat(), machine=platform.node())
         json.dump(compute, open(os.path.join(a.out, f"{a.name}-compute.json"), "w"), indent=1)
     elif a.compute_stock:
