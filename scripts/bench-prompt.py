@@ -208,11 +208,11 @@ def cut_decode_at(cut, depths, budget):
 def decode_ms_at(compute, tokens):
     """(ms, depth) of the resident decode measured nearest a context of
     `tokens` (within a tenth of it), else the empty context's (depth 0)."""
-    near = [(abs(int(k.split("@")[1]) - tokens), k) for k in compute if k.startswith("decode_ms@")]
-    near = [(d, k) for d, k in near if d <= tokens / 10]
+    depths = [int(k.split("@")[1]) for k in compute if k.startswith("decode_ms@")]
+    near = [d for d in depths if abs(d - tokens) <= tokens / 10]
     if near:
-        k = min(near)[1]
-        return compute[k], int(k.split("@")[1])
+        d = min(near, key=lambda d: abs(d - tokens))
+        return compute[f"decode_ms@{d}"], d
     return compute.get("decode_ms"), 0
 
 
