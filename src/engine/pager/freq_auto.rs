@@ -48,6 +48,8 @@ pub struct FreqAuto {
     batch: Option<(u32, Vec<u32>)>,
     /// The factor a shadow's hits keep per batch.
     aging: f64,
+    /// The layer of the batch before the one under way.
+    previous_layer: Option<u32>,
 }
 
 /// The ways `FreqAuto` follows, as indices of its shadows.
@@ -85,6 +87,7 @@ impl FreqAuto {
             plan: plan.clone(),
             batch: None,
             aging: (-1.0 / (AUTO_HALF_LIFE_TOKENS * n_layers)).exp2(),
+            previous_layer: None,
         }
     }
 
@@ -95,9 +98,22 @@ impl FreqAuto {
         let Some(class) = self.plan.layer_class.iter().find(|&&(l, _)| l == layer).and_then(|&(_, c)| self.plan.classes.get(c)).cloned() else {
             return;
         };
+        // A batch right after one of its own layer is a prompt group's
+        // later ubatch (patch 0013: a layer's ubatches run back to back),
+        // and any way keeps what the ubatch before it read. Scored, such
+        // batches are what the arena followed, and they favour LRU, which
+        // a group leaves ordered by layer: the decode after the prompt
+        // would follow it and read more. The shadows still replay them.
+        let scored = self.previous_layer != Some(layer) || self.plan.layer_class.len() < 2;
+        self.previous_layer = Some(layer);
         for sh in &mut self.shadows {
             let adm = sh.res.admit_unpinned(layer, class.clone(), &experts);
-            sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
+            if scored {
+                sh.hits = sh.hits * self.aging + adm.hits.len() as f64;
+            }
+        }
+        if !scored {
+            return;
         }
         for way in [Way::Shares, Way::Whole, Way::Lru, Way::Reuse] {
             if self.shadows[way as usize].hits > self.shadows[self.way as usize].hits * (1.0 + AUTO_MARGIN) {
