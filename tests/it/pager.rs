@@ -346,6 +346,9 @@ fn budget_well_below_the_model_holds_and_the_stats_add_up() {
     // and read ahead, and batches then use some of them.
     assert!(u(&s, "prefetched") > 0 && u(&s, "prefetch_used") > 0, "prefetch: {s}");
     assert!(u(&s, "prefetch_used") + u(&s, "prefetch_wasted") <= u(&s, "prefetched"), "{s}");
+    // Each decode step's prediction is judged by its layer's batch, read
+    // ahead or not: every prefetch was one of the experts judged.
+    assert!(u(&s, "prediction_held") > 0 && u(&s, "prediction_held") + u(&s, "prediction_missed") >= u(&s, "prefetched"), "{s}");
     // Direct I/O (the default, where the file system allows) reads each part
     // as the 4 KiB-aligned superset of its range: under 8 KiB more per part.
     let reads = u(&s, "misses") + u(&s, "rereads") + u(&s, "prefetched") + u(&s, "preloaded");
@@ -1000,9 +1003,18 @@ fn prefetch_stops_where_its_predictions_miss() {
     let (f, g) = (forced.stats.unwrap(), gated.stats.unwrap());
     let precision = u(&f, "prefetch_used") as f64 / u(&f, "prefetched").max(1) as f64;
     assert!(u(&f, "prefetched") > 512 && precision < 0.85, "forced: {precision:.2} of {} prefetched used", u(&f, "prefetched"));
-    // The gate judges a window of 256, then probes one layer in 8.
+    // The gate judges every prediction, read or not, by its layer's batch:
+    // it stops after its first window of 64 and reads nothing ahead since.
+    let judged = u(&g, "prediction_held") + u(&g, "prediction_missed");
+    let held = u(&g, "prediction_held") as f64 / judged.max(1) as f64;
+    eprintln!(
+        "forced: {} prefetched, {precision:.2} used; default: {} prefetched, {judged} predictions judged, {held:.2} held",
+        u(&f, "prefetched"),
+        u(&g, "prefetched")
+    );
+    assert!(judged > 512 && held < 0.85, "default: {held:.2} of {judged} predicted experts used");
     assert!(
-        u(&g, "prefetched") > 0 && u(&g, "prefetched") * 2 < u(&f, "prefetched"),
+        u(&g, "prefetched") > 0 && u(&g, "prefetched") * 8 < u(&f, "prefetched"),
         "default prefetched {} against forced {}",
         u(&g, "prefetched"),
         u(&f, "prefetched")

@@ -759,8 +759,12 @@ unsafe fn join(
             if let Some((next, predicted)) = predicted {
                 if n_tokens > DECODE_MAX_TOKENS {
                     pager.read_ahead(next, &predicted, layer);
-                } else if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
-                    pager.prefetch(next, &predicted, layer);
+                } else {
+                    // Judged whether read or not: the gate learns while closed.
+                    pager.predicted(next, &predicted);
+                    if runtime::get().is_some_and(|rt| rt.prefetch_worthwhile(pager, ids.ne[0] as usize)) {
+                        pager.prefetch(next, &predicted, layer);
+                    }
                 }
             }
             deferred

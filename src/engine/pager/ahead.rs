@@ -15,6 +15,16 @@ pub(super) struct AheadRest {
 }
 
 impl Pager {
+    /// A decode step predicts that `layer` will use `experts`: the ones the
+    /// arena does not hold are what a prefetch would read, and `layer`'s
+    /// next batch judges them (`LayerCounts::prediction_held`), read or
+    /// not, for the gate.
+    pub fn predicted(&self, layer: u32, experts: &[u32]) {
+        let mut st = self.shared.lock();
+        let absent = experts.iter().copied().filter(|&e| st.res.slot_of(ExpertKey::new(layer, e)).is_none()).collect();
+        st.prediction = Some((layer, absent));
+    }
+
     /// Starts reading the experts of `layer` in `experts` (best first) that
     /// are not in the arena, at low priority, while layer `current` is being
     /// computed. A victim must be unpinned and hold no expert of `current` or

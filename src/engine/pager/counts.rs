@@ -19,6 +19,11 @@ pub struct LayerCounts {
     pub prefetch_late: u64,
     /// Prefetched experts evicted before any batch used them.
     pub prefetch_wasted: u64,
+    /// A decode step's predicted experts for this layer that the arena did
+    /// not hold, read ahead or not: used by the layer's next batch (held),
+    /// or not. Their share is what the gate judges prefetching by.
+    pub prediction_held: u64,
+    pub prediction_missed: u64,
     /// Experts `preload` started reading (not counted in `prefetched`; a
     /// use that finds one counts in `prefetch_used`).
     pub preloaded: u64,

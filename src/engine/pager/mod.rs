@@ -146,6 +146,10 @@ struct State {
     /// What a prompt group's ubatches still need, by layer (see
     /// `group_routes`); emptied when the group ends.
     group_routes: routes::GroupRoutes,
+    /// A decode step's prediction of the next layer (`Pager::predicted`):
+    /// that layer, and the predicted experts the arena did not hold then,
+    /// which its next batch judges.
+    prediction: Option<(u32, Vec<u32>)>,
     /// The misses of the batch `prepare` started that found no slot, in
     /// the order its threads take them: each is read as soon as a slot is
     /// released (`Shared::refill`), not when a thread comes to it.
@@ -339,6 +343,7 @@ impl Pager {
             filled: vec![0; slots.len()],
             gate: gate::PrefetchGate::default(),
             group_routes: routes::GroupRoutes::default(),
+            prediction: None,
             pending: VecDeque::new(),
             ahead_rest: Vec::new(),
         };
@@ -486,6 +491,12 @@ impl Pager {
         let c = st.counts.get_mut(&layer).expect("layer counted");
         c.hits += admission.hits.len() as u64;
         c.misses += (admission.fills.len() + admission.deferred.len()) as u64;
+        if let Some((_, predicted)) = st.prediction.take_if(|(l, _)| *l == layer) {
+            let held = predicted.iter().filter(|e| experts.contains(e)).count() as u64;
+            let c = st.counts.get_mut(&layer).expect("layer counted");
+            c.prediction_held += held;
+            c.prediction_missed += predicted.len() as u64 - held;
+        }
         for &(_, slot) in &admission.hits {
             let s = &mut st.slots[slot];
             // The batch is still to use it: a read for one of its misses
@@ -527,8 +538,8 @@ impl Pager {
     /// prefetched experts are used (see [`gate`]).
     pub fn prefetch_pays(&self) -> bool {
         let mut st = self.shared.lock();
-        let (prefetched, used) = st.counts.values().fold((0, 0), |(p, u), c| (p + c.prefetched, u + c.prefetch_used));
-        st.gate.admit(prefetched, used)
+        let (judged, held) = st.counts.values().fold((0, 0), |(j, h), c| (j + c.prediction_held + c.prediction_missed, h + c.prediction_held));
+        st.gate.admit(judged, held)
     }
 
     /// The first of `candidates` (index, expert) whose expert of `layer` is

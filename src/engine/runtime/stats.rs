@@ -280,6 +280,8 @@ impl Runtime {
                             "prefetch_used": n.prefetch_used,
                             "prefetch_late": n.prefetch_late,
                             "prefetch_wasted": n.prefetch_wasted,
+                            "prediction_held": n.prediction_held,
+                            "prediction_missed": n.prediction_missed,
                             "preloaded": n.preloaded,
                             "read_wait_seconds": n.waited_us as f64 / 1e6,
                         })
@@ -299,6 +301,8 @@ impl Runtime {
             o.insert("prefetch_used".into(), json!(sum(|l| l.prefetch_used)));
             o.insert("prefetch_late".into(), json!(sum(|l| l.prefetch_late)));
             o.insert("prefetch_wasted".into(), json!(sum(|l| l.prefetch_wasted)));
+            o.insert("prediction_held".into(), json!(sum(|l| l.prediction_held)));
+            o.insert("prediction_missed".into(), json!(sum(|l| l.prediction_missed)));
             o.insert("preloaded".into(), json!(sum(|l| l.preloaded)));
             // Thread-seconds the expert ops waited for reads: what the
             // reads added to the compute.
