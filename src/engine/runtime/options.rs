@@ -90,7 +90,8 @@ SDQ_READERS=N            reader threads: expert parts read at once (default 8, 1
 SDQ_READ_RETRIES=N       more tries for an expert read that failed with EIO, EAGAIN or an early
                          end of file (default 3, 0..=10); SDQ_READ_BACKOFF_MS=MS waits MS before
                          the first, doubling each time (default 100: 0.7 s for all three)
-SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default: while the arena holds 2+ token cycles)
+SDQ_PREFETCH=0|1         read the next layer's likely experts while decoding (default: while the arena holds 2+ token
+                         cycles and 85 % of the predicted experts are used)
 SDQ_DIRECT_IO=0|1        read experts with O_DIRECT, straight into the arena (default 1)
 SDQ_POPULATE=0|1|idle|ahead  fault the arena in: 1 all before the first token, 0 as slots
                          fill, idle slot by slot on a background thread at idle priority,
