@@ -5,8 +5,9 @@
 //! experts were used and prefetching sped decode up 1.16-1.58×; on
 //! gpt-oss-120b with routing that looks trained about 75 % were, and it read
 //! a third more bytes a token for the same speed; on DeepSeek-V3 at 19
-//! layers and 12 GiB (3.4 token cycles), 60 %, and the 16 tokens after a
-//! prompt read 23 % more a token and ran 17 % slower than with it off.
+//! layers and 12 GiB (3.4 token cycles) about half, and the 16 tokens
+//! after a prompt read 23 % more a token and ran 17 % slower than with it
+//! off.
 
 /// Predicted experts per judgement of the precision. Every prediction is
 /// judged when its layer's batch runs, read ahead or not (`Pager::predicted`),

@@ -535,7 +535,7 @@ impl Pager {
     }
 
     /// Whether this layer's prefetch should run by default: while most
-    /// prefetched experts are used (see [`gate`]).
+    /// predicted experts are used (see [`gate`]).
     pub fn prefetch_pays(&self) -> bool {
         let mut st = self.shared.lock();
         let (judged, held) = st.counts.values().fold((0, 0), |(j, h), c| (j + c.prediction_held + c.prediction_missed, h + c.prediction_held));

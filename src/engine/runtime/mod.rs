@@ -348,7 +348,7 @@ impl Runtime {
     /// Whether to read the next layer's predicted experts ahead: always or
     /// never where `SDQ_PREFETCH` says, and by default only while the arena
     /// holds at least [`PREFETCH_MIN_CYCLES`] token cycles and most
-    /// prefetched experts are used ([`crate::engine::pager::gate`]). Below two
+    /// predicted experts are used ([`crate::engine::pager::gate`]). Below two
     /// cycles a prediction that misses evicts an expert this token or the
     /// next one needs: on DeepSeek-V3 at 0.55 and 1.64 cycles, prefetching
     /// read 44 % and 54 % more bytes a token for no speed; on routing that
