@@ -128,6 +128,21 @@ const void * sdq_graph_pieces::kept_data(const ggml_tensor * t) const {
     return nullptr;
 }
 
+int sdq_graph_pieces::piece_writing(const ggml_tensor * t) const {
+    const ggml_tensor * m = memory_of(t);
+    const int n = ggml_graph_n_nodes(gf);
+    for (int i = 0; i < n; ++i) {
+        const ggml_tensor * node = ggml_graph_node(gf, i);
+        // a view only names memory; the op that returns it writes it
+        const bool view = node->op == GGML_OP_VIEW || node->op == GGML_OP_RESHAPE || node->op == GGML_OP_PERMUTE ||
+                          node->op == GGML_OP_TRANSPOSE || node->op == GGML_OP_NONE;
+        if (!view && memory_of(node) == m) {
+            return (int) (std::upper_bound(starts.begin(), starts.end(), i) - starts.begin()) - 1;
+        }
+    }
+    return -1;
+}
+
 void sdq_graph_pieces::keep(size_t cut) {
     kept.clear();
     for (ggml_tensor * m : crossing[cut]) {

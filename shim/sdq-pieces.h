@@ -73,6 +73,10 @@ public:
      * into the piece (it is not in the compute buffer). */
     const void * kept_data(const ggml_tensor * t) const;
 
+    /* The piece whose nodes first write into `t`'s memory (a KV cache or
+     * recurrent state tensor, or a view of one), or -1 if none does. */
+    int piece_writing(const ggml_tensor * t) const;
+
 private:
     void keep(size_t cut);
     void restore(size_t cut);

@@ -915,9 +915,9 @@ fn a_prompt_up_to_the_context_is_one_batch_when_b_is_left_alone() {
         assert!(cut_read > 1.2 * read, "{tag}: the cut prompt read {cut_read} B, the whole {read} B: {c}");
     }
     // llama-cli (one turn of a chat; its answer between the prompt's echo
-    // and the speed line): for a model with recurrent layers it gives the
-    // prompt's last 516 tokens apart (upstream's checkpoints), and the rest
-    // as one group of more ubatches than stock's -b holds.
+    // and the speed line): the whole prompt is one group of more ubatches
+    // than stock's -b holds, the checkpoints a model with recurrent layers
+    // keeps (upstream's, 516 and 4 tokens before the end) taken inside it.
     let answer = |out: &str| out.lines().skip_while(|l| !l.starts_with("> ")).take_while(|l| !l.starts_with("[ Prompt")).collect::<Vec<_>>().join("\n");
     let (cli_stock, _, _) = complete("cli-stock", "llama-cli", None, &[]);
     let (_, _, cli_probe) = complete("cli-probe", "llama-cli", Some("3G"), &["-n", "1"]);

@@ -603,12 +603,13 @@ fn the_chat_page_is_served_at_the_root() {
     assert!(head.starts_with("http/1.1 404"), "--no-webui: {head}");
 }
 
-/// Long prompts pasted into a chat, at llama-server's default flags (-b 2048,
-/// -ub 512, prompt caching on; a reserve of 512 MiB, whose eighth holds a
-/// group of four staged ubatches of this model) under a budget whose arena
-/// holds two layers' experts, not the model's: each llama_decode batch of
-/// a prompt (the server cuts a prompt into several, for its checkpoints) is
-/// computed layer by layer across its ubatches, the answers are stock's,
+/// Long prompts pasted into a chat, in batches of `-b 2048` (stock's default,
+/// which sdq keeps when it is given; -ub 512, prompt caching on; a reserve of
+/// 512 MiB, whose eighth holds a group of four staged ubatches of this
+/// model) under a budget whose arena holds two layers' experts, not the
+/// model's: each llama_decode batch of a prompt (the server cuts a prompt
+/// into several: every 2,048 tokens and for its checkpoints) is computed
+/// layer by layer across its ubatches, the answers are stock's,
 /// the prompts read less than one ubatch at a time does (`SDQ_GROUP=1`),
 /// the same conversation asked again reads nothing for its cached prompt,
 /// `/metrics` and the stats file give the prompt's bytes read against its
@@ -627,7 +628,7 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
         let v: Value = serde_json::from_str(&body).unwrap();
         (v["choices"][0]["message"]["content"].as_str().unwrap().to_string(), v["timings"].clone())
     };
-    let args = ["-m", model, "-c", "4096", "--metrics"];
+    let args = ["-m", model, "-c", "4096", "-b", "2048", "--metrics"];
     let (stock_server, port) = start_server(&args);
     let stock: Vec<String> = [&short, &long].iter().map(|t| chat(port, t).0).collect();
     drop(stock_server);
@@ -680,8 +681,8 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
 /// llama-server at its default flags (no `-c`: the model's 4,096; `-b` not
 /// given) under a budget whose arena holds two layers' experts: sdq raises
 /// `-b` to the context, so a long prompt alone in its batch is one
-/// `llama_decode` past stock's 2,048 (the server still cuts its last tokens
-/// apart for its checkpoints), reads less than at `-b 2048`, and is answered
+/// `llama_decode` past stock's 2,048 (its checkpoints taken inside it, where
+/// stock ends a batch at each), reads less than at `-b 2048`, and is answered
 /// as stock answers it with the same flags. Beside another request's decode
 /// a batch holds stock's 2,048 tokens, so that request goes on between the
 /// prompt's pieces.
@@ -713,11 +714,15 @@ fn a_long_prompt_alone_is_one_batch_and_beside_a_decode_is_cut_as_stock() {
     };
     let (whole, whole_batches, s) = serve("default", &[]);
     assert_eq!(whole, stock, "one batch against stock with the same flags");
-    assert!(whole_batches.iter().any(|&n| n > 2048), "sdq did not raise -b: no batch past 2,048 tokens: {whole_batches:?}");
+    assert!(whole_batches.len() == 1 && whole_batches[0] > 2048, "sdq did not make the prompt one batch: {whole_batches:?}");
     assert!(u(&s, "arena_bytes") < all_arena(&s, 16), "the arena holds every expert: {s}");
     let (cut, cut_batches, c) = serve("b2048", &["-b", "2048"]);
     assert_eq!(cut, stock, "-b 2048 against stock");
-    assert_eq!(cut_batches, stock_batches, "-b 2048 cut the prompt otherwise than stock");
+    // Stock's batches of 2,048, but the last: its checkpoint tail is in it
+    // (the rest of the prompt fits the -b given), no batch past 2,048.
+    let n = stock_batches.len();
+    let merged: Vec<u64> = stock_batches[..n - 3].iter().copied().chain([stock_batches[n - 3..].iter().sum()]).collect();
+    assert_eq!(cut_batches, merged, "-b 2048 cut the prompt otherwise than stock (its batches {stock_batches:?})");
     let (read, cut_read) = (u(&s["prompt"], "bytes_read") as f64, u(&c["prompt"], "bytes_read") as f64);
     assert!(read < 0.9 * cut_read, "one batch read {read} B, -b 2048 {cut_read} B");
 
@@ -738,6 +743,78 @@ fn a_long_prompt_alone_is_one_batch_and_beside_a_decode_is_cut_as_stock() {
     let _ = talker.join();
     assert!(beside.len() >= 3 && beside.iter().all(|&n| n <= 2048), "beside a decode, the prompt's batches: {beside:?}");
     eprintln!("a long prompt's batches: stock {stock_batches:?}, alone {whole_batches:?}, beside a decode {beside:?}; read {:.1} MiB as one batch, {:.1} MiB at -b 2048", read / 1048576.0, cut_read / 1048576.0);
+}
+
+/// A long prompt alone in its batch at llama-server's default flags, on a
+/// model whose memory cannot be rolled back (Qwen3.5's recurrent layers,
+/// gpt-oss's sliding window): stock ends a batch where each of its
+/// checkpoints is due (516 and 4 tokens before the prompt's end), and each
+/// batch reads the experts again; sdq keeps one batch, computed as one
+/// group, and takes the checkpoints inside it. Two later prompts that
+/// differ from it inside its last 4 and its last 516 tokens restore those
+/// checkpoints on Qwen3.5 (each computes only what follows one) and, with
+/// the first, get stock's text and top probabilities. (gpt-oss's window
+/// cache holds 768 cells, more than the last 516 tokens, so there stock and
+/// sdq alike roll those prompts back without a checkpoint: what is checked
+/// is the cache the one batch left.)
+#[test]
+fn a_lone_prompts_checkpoints_are_taken_inside_its_one_batch() {
+    let first = common_words(2_600, 21);
+    let words: Vec<&str> = first.split(' ').collect();
+    // The last word changed (after the checkpoint 4 tokens before the end),
+    // and a word 120 before the end (after the one 516 before it).
+    let mut last = words.clone();
+    *last.last_mut().unwrap() = if words[words.len() - 1] == "river" { "stone" } else { "river" };
+    let mut inside = words.clone();
+    let k = words.len() - 120;
+    inside[k] = if words[k] == "river" { "stone" } else { "river" };
+    let prompts = [first.clone(), last.join(" "), inside.join(" ")];
+    let ask = |port: u16, prompt: &str| -> (String, u64) {
+        let body = serde_json::json!({ "prompt": prompt, "n_predict": 4, "top_k": 1, "n_probs": 4 }).to_string();
+        let (status, body) = http(port, "POST", "/completion", Some(&body)).expect("an answer within its timeout");
+        assert_eq!(status, 200, "{body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        (format!("{} {}", v["content"], v["completion_probabilities"]), u(&v["timings"], "prompt_n"))
+    };
+    let sample = |metrics: &str, name: &str| -> f64 {
+        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
+    };
+    for (name, model, restores) in [("qwen35moe", tiny().to_path_buf(), true), ("gpt-oss", crate::families::family_model("gpt-oss"), false)] {
+        let model = model.to_str().unwrap();
+        let (stock_server, port) = start_server(&["-m", model, "--no-warmup"]);
+        let stock: Vec<(String, u64)> = prompts.iter().map(|p| ask(port, p)).collect();
+        drop(stock_server);
+        // Each later prompt computed again only what follows a checkpoint
+        // (with restores; else what follows where it differs).
+        let computed: Vec<u64> = stock.iter().map(|a| a.1).collect();
+        let third = if restores { computed[2] > 120 && computed[2] <= 600 } else { computed[2] <= 121 };
+        assert!(computed[0] > 2048 + 516 && computed[1] <= 8 && third, "{name}: stock computed {computed:?} tokens");
+
+        let probe_stats = scratch().join(format!("server-cuts-{name}-probe.json"));
+        let (probe, port) =
+            start_server(&["-m", model, "--no-warmup", "--ram-budget", "2G", "--sdq-reserve", "512M", "--sdq-stats", probe_stats.to_str().unwrap()]);
+        ask(port, "a short question");
+        assert!(stop(probe).success());
+        let probe: Value = read_json(&probe_stats);
+        let layers: u64 = probe["slot_classes"].as_array().unwrap().iter().map(|c| u(c, "layers")).sum();
+        let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / layers + crate::pager::MIB);
+        let stats = scratch().join(format!("server-cuts-{name}.json"));
+        let (server, port) =
+            start_server(&["-m", model, "--no-warmup", "--metrics", "--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()]);
+        let one = ask(port, &prompts[0]);
+        let (_, metrics) = http(port, "GET", "/metrics", None).unwrap();
+        let (groups, read, touched) =
+            (sample(&metrics, "sdq_prompt_groups_total"), sample(&metrics, "sdq_prompt_read_bytes_total"), sample(&metrics, "sdq_prompt_touched_bytes_total"));
+        let rest: Vec<(String, u64)> = prompts[1..].iter().map(|p| ask(port, p)).collect();
+        assert!(stop(server).success());
+        let s: Value = read_json(&stats);
+        assert!(u(&s, "arena_bytes") < all_arena(&s, 16), "{name}: the arena holds every expert: {s}");
+        let answers: Vec<(String, u64)> = std::iter::once(one).chain(rest).collect();
+        assert_eq!(answers, stock, "{name}: the three prompts (and the tokens each computed) against stock with the same flags");
+        assert_eq!(groups, 1.0, "{name}: the first prompt was not one group:\n{metrics}");
+        assert!(read <= 1.1 * touched, "{name}: the first prompt read {read} B of {touched} B touched");
+        eprintln!("{name}: a lone prompt's checkpoints inside its batch: read {:.1} of {:.1} MiB touched", read / 1048576.0, touched / 1048576.0);
+    }
 }
 
 /// A streamed chat completion asking the prompt's progress
@@ -791,8 +868,9 @@ fn a_failed_read_inside_a_grouped_prompt_fails_that_request_only() {
     assert!(stop(probe).success());
     let probe: Value = read_json(&probe_stats);
     let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / 8 + crate::pager::MIB);
-    // Reads 150 to 199 fail every try: inside the first prompt's group.
-    let plan: Vec<String> = (150..200).map(|n| format!("eio@{n}")).collect();
+    // Reads 60 to 109 fail every try: inside the first prompt's group (one
+    // of its 128 experts, each read once).
+    let plan: Vec<String> = (60..110).map(|n| format!("eio@{n}")).collect();
     let stats = scratch().join("server-group-eio.json");
     let log = scratch().join("server-group-eio.log");
     let (mut server, port) = start_server_logged(
