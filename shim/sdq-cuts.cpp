@@ -52,6 +52,25 @@ void sdq_cuts_clear(llama_context * ctx) {
     plans.erase(ctx);
 }
 
+// One progress a context, set before a decode and taken by it.
+static std::unordered_map<const llama_context *, std::function<void(int32_t, int32_t)>> progresses;
+
+void sdq_progress_set(llama_context * ctx, std::function<void(int32_t, int32_t)> progress) {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    progresses[ctx] = std::move(progress);
+}
+
+std::function<void(int32_t, int32_t)> sdq_progress_take(llama_context * ctx) {
+    std::lock_guard<std::mutex> lock(plans_mutex);
+    auto it = progresses.find(ctx);
+    if (it == progresses.end()) {
+        return {};
+    }
+    auto progress = std::move(it->second);
+    progresses.erase(it);
+    return progress;
+}
+
 sdq_cut_plan * sdq_cut_plan::begin(llama_context * ctx, llama_seq_id seq, int32_t n_tokens) {
     std::lock_guard<std::mutex> lock(plans_mutex);
     auto it = plans.find(ctx);

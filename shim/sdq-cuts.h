@@ -1,6 +1,7 @@
 /*
  * sdq-cuts.h: a tool's checkpoints of a sequence's state taken inside one
- * llama_decode (C++, inside libllama; patches 0017 and 0018 use it).
+ * llama_decode, and its progress told as the decode computes (C++, inside
+ * libllama; patches 0017, 0018 and 0019 use it).
  *
  * Where a prompt's memory cannot be rolled back (sliding-window attention,
  * recurrent layers), llama-server checkpoints the sequence's state at a few
@@ -46,6 +47,19 @@ bool sdq_cuts_take(llama_context * ctx, int32_t at, std::vector<uint8_t> & data,
 
 /* Drops what was set or taken for `ctx`. */
 void sdq_cuts_clear(llama_context * ctx);
+
+/* Calls `progress(done, total)` as the next decode of `ctx` computes its
+ * batch of `total` tokens, on the decoding thread, before the batch ends:
+ * after each ubatch computed alone (`done`: the batch's tokens computed),
+ * and after each piece of a group (its ubatches' tokens counted in
+ * proportion to the pieces computed). A tool that shows a prompt's
+ * progress between batches can show it inside one, where sdq makes a long
+ * prompt one batch (patch 0019). */
+void sdq_progress_set(llama_context * ctx, std::function<void(int32_t done, int32_t total)> progress);
+
+/* For llama_context::decode: the progress set for this decode (taken: the
+ * next has none unless set again), or an empty function. */
+std::function<void(int32_t, int32_t)> sdq_progress_take(llama_context * ctx);
 
 /* For llama_context::decode (patch 0017). */
 class sdq_cut_plan {

@@ -709,12 +709,16 @@ fn a_long_prompt_alone_is_one_batch_and_beside_a_decode_is_cut_as_stock() {
         let args = [&["-m", model, "--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()][..], extra].concat();
         let (server, port) = start_server(&args);
         let (answer, progress) = streamed_chat_progress(port, &long);
+        check_prompt_progress(tag, &progress);
         assert!(stop(server).success());
         (answer, batches(&progress), read_json(&stats))
     };
-    let (whole, whole_batches, s) = serve("default", &[]);
+    let (whole, whole_steps, s) = serve("default", &[]);
     assert_eq!(whole, stock, "one batch against stock with the same flags");
-    assert!(whole_batches.len() == 1 && whole_batches[0] > 2048, "sdq did not make the prompt one batch: {whole_batches:?}");
+    // One batch, one group; its progress is sent as its pieces are computed.
+    assert_eq!(u(&s["prompt_groups"], "groups"), 1, "sdq did not make the prompt one group: {s}");
+    assert!(u(&s["prompt_groups"], "ubatches") > 4, "the group holds no more than stock's -b: {s}");
+    assert!(whole_steps.len() >= 4 && whole_steps.iter().all(|&n| n < 2048), "the one batch's progress came in steps of {whole_steps:?}");
     assert!(u(&s, "arena_bytes") < all_arena(&s, 16), "the arena holds every expert: {s}");
     let (cut, cut_batches, c) = serve("b2048", &["-b", "2048"]);
     assert_eq!(cut, stock, "-b 2048 against stock");
@@ -742,7 +746,7 @@ fn a_long_prompt_alone_is_one_batch_and_beside_a_decode_is_cut_as_stock() {
     drop(server);
     let _ = talker.join();
     assert!(beside.len() >= 3 && beside.iter().all(|&n| n <= 2048), "beside a decode, the prompt's batches: {beside:?}");
-    eprintln!("a long prompt's batches: stock {stock_batches:?}, alone {whole_batches:?}, beside a decode {beside:?}; read {:.1} MiB as one batch, {:.1} MiB at -b 2048", read / 1048576.0, cut_read / 1048576.0);
+    eprintln!("a long prompt's batches: stock {stock_batches:?}, beside a decode {beside:?}; alone one batch, its progress in {} steps; read {:.1} MiB as one batch, {:.1} MiB at -b 2048", whole_steps.len(), read / 1048576.0, cut_read / 1048576.0);
 }
 
 /// A long prompt alone in its batch at llama-server's default flags, on a
@@ -827,21 +831,25 @@ fn streamed_chat_progress(port: u16, text: &str) -> (String, Vec<Value>) {
     (crate::endpoints::streamed_content(&events), progress)
 }
 
-/// A prompt of several batches streams its progress after each with sdq's
-/// figures beside llama-server's: the prompt's tokens so far (the server's
-/// processed less its cached, but the first), and bytes read and touched
-/// that grow with it.
+/// A prompt of several batches, or of one that sdq made of it, streams its
+/// progress after each batch or as the one computes, with sdq's figures
+/// beside llama-server's: the prompt's tokens so far (sdq's are those its
+/// ubatches begun: at least the server's processed less its cached, but the
+/// first, and no more than the prompt), and bytes read and touched that
+/// grow with it.
 fn check_prompt_progress(tag: &str, progress: &[Value]) {
     let mid: Vec<&Value> = progress.iter().filter(|p| u(p, "processed") > u(p, "cache") && u(p, "processed") < u(p, "total")).collect();
-    assert!(!mid.is_empty(), "{tag}: no progress between the prompt's batches: {progress:?}");
+    assert!(!mid.is_empty(), "{tag}: no progress before the prompt's end: {progress:?}");
     let mut last = (0, 0, 0);
-    for p in progress {
+    // (Not the first, sent before anything is computed: its figures may
+    // still be a warm-up's.)
+    for p in progress.iter().filter(|p| u(p, "processed") > u(p, "cache")) {
         let sdq = p.get("sdq").unwrap_or_else(|| panic!("{tag}: no sdq figures in the prompt's progress {p}"));
         let now = (u(sdq, "tokens"), u(sdq, "read_bytes"), u(sdq, "touched_bytes"));
         // The server computes a prompt's first token alone, a step sdq
         // counts as decode (one token).
         let computed = u(p, "processed") - u(p, "cache");
-        assert!(now.0 <= computed && now.0 + 1 >= computed, "{tag}: sdq's tokens are not the server's: {p}");
+        assert!(now.0 <= u(p, "total") - u(p, "cache") && now.0 + 1 >= computed, "{tag}: sdq's tokens are not the server's: {p}");
         assert!(now.0 == 0 || (now.1 > 0 && now.2 > 0), "{tag}: a prompt under way read nothing: {p}");
         assert!(now.0 >= last.0 && now.1 >= last.1 && now.2 >= last.2, "{tag}: the figures went back: {progress:?}");
         last = now;
