@@ -35,16 +35,16 @@ bool sdq_cuts_take(llama_context * ctx, int32_t at, std::vector<uint8_t> & data,
     if (it == plans.end() || !it->second->active || it->second->failed) {
         return false;
     }
-    for (auto & s : it->second->states) {
-        if (s.at == at && s.taken && s.pending.empty()) {
-            data = std::move(s.data);
-            pos_min = s.pos_min;
-            pos_max = s.pos_max;
-            s.taken = false;
-            return true;
-        }
+    auto & states = it->second->states;
+    auto s = std::find_if(states.begin(), states.end(), [&](const sdq_cut_plan::state & s) { return s.at == at && s.pending.empty(); });
+    if (s == states.end()) {
+        return false;
     }
-    return false;
+    data = std::move(s->data);
+    pos_min = s->pos_min;
+    pos_max = s->pos_max;
+    states.erase(s);
+    return true;
 }
 
 void sdq_cuts_clear(llama_context * ctx) {
@@ -132,10 +132,11 @@ void read_tensor(sdq_cut_plan::state & s, const sdq_cut_plan::deferred & d) {
 }
 } // namespace
 
-void sdq_cut_plan::at_ubatch(int32_t first, bool staged, const std::function<void(llama_io_write_i &)> & write, llama_pos pos_min, llama_pos pos_max) {
-    if (std::find(take_at.begin(), take_at.end(), first) == take_at.end()) {
-        return;
-    }
+bool sdq_cut_plan::takes_at(int32_t first) const {
+    return std::find(take_at.begin(), take_at.end(), first) != take_at.end();
+}
+
+void sdq_cut_plan::take_at_ubatch(int32_t first, bool staged, const std::function<void(llama_io_write_i &)> & write, llama_pos pos_min, llama_pos pos_max) {
     states.emplace_back();
     state & s = states.back();
     s.at = first;
@@ -149,7 +150,6 @@ void sdq_cut_plan::at_ubatch(int32_t first, bool staged, const std::function<voi
         }
         s.pending.clear();
     }
-    s.taken = true;
 }
 
 void sdq_cut_plan::before_piece(int32_t first, const sdq_graph_pieces & pieces) {

@@ -76,11 +76,15 @@ public:
     llama_seq_id seq() const { return seq_id; }
     llama_state_seq_flags flags() const { return state_flags; }
 
-    /* Before the ubatch starting at batch index `first` has its memory
-     * applied. If a state is taken there, `write` writes it (the tensors'
-     * bytes are recorded, not read); `staged` says whether ubatches before
-     * it are staged but not yet computed: if not, the tensors are read now. */
-    void at_ubatch(int32_t first, bool staged, const std::function<void(llama_io_write_i &)> & write, llama_pos pos_min, llama_pos pos_max);
+    /* Whether a state is taken before the ubatch starting at batch index
+     * `first`. */
+    bool takes_at(int32_t first) const;
+
+    /* Before that ubatch has its memory applied: `write` writes the state
+     * (the tensors' bytes are recorded, not read), with the sequence's
+     * positions then; `staged` says whether ubatches before it are staged
+     * but not yet computed: if not, the tensors are read now. */
+    void take_at_ubatch(int32_t first, bool staged, const std::function<void(llama_io_write_i &)> & write, llama_pos pos_min, llama_pos pos_max);
 
     /* Before piece `pieces.n_done()` of the staged ubatch starting at batch
      * index `first` is computed: the tensors that piece writes are read for
@@ -101,18 +105,17 @@ public:
         int piece = -2; // the piece of the first ubatch after the cut that writes it (-2: not looked up)
     };
 
+    /* A state taken, until the tool takes it away. */
     struct state {
         int32_t at = 0;
         std::vector<uint8_t> data;
         std::vector<deferred> pending;
         llama_pos pos_min = -1;
         llama_pos pos_max = -1;
-        bool taken = false;
     };
 
-    std::vector<state> states;
-
 private:
+    std::vector<state> states;
     std::vector<int32_t> cut_at;
     std::vector<int32_t> take_at;
     llama_seq_id seq_id = 0;

@@ -133,7 +133,8 @@ int sdq_graph_pieces::piece_writing(const ggml_tensor * t) const {
     const int n = ggml_graph_n_nodes(gf);
     for (int i = 0; i < n; ++i) {
         const ggml_tensor * node = ggml_graph_node(gf, i);
-        // a view only names memory; the op that returns it writes it
+        // a view only names memory; the op that returns it writes it (the
+        // ops ggml-impl.h's ggml_op_is_empty names, which libllama cannot see)
         const bool view = node->op == GGML_OP_VIEW || node->op == GGML_OP_RESHAPE || node->op == GGML_OP_PERMUTE ||
                           node->op == GGML_OP_TRANSPOSE || node->op == GGML_OP_NONE;
         if (!view && memory_of(node) == m) {
