@@ -368,7 +368,12 @@ fn metrics_and_props_show_the_pagers_figures() {
 
 /// The value of stock's Prometheus sample `name` (`llamacpp:NAME`).
 fn llamacpp_sample(text: &str, name: &str) -> f64 {
-    let prefix = format!("llamacpp:{name} ");
+    sample(text, &format!("llamacpp:{name}"))
+}
+
+/// The value of Prometheus sample `name` in `/metrics` text.
+fn sample(text: &str, name: &str) -> f64 {
+    let prefix = format!("{name} ");
     text.lines().find_map(|l| l.strip_prefix(&prefix)).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name} in\n{text}"))
 }
 
@@ -640,9 +645,6 @@ fn long_chat_prompts_are_read_once_per_batch_and_answer_as_stock() {
     let probe: Value = read_json(&probe_stats);
     let two_layers = 2 * all_arena(&probe, 16) / 8;
     let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, two_layers + crate::pager::MIB);
-    let sample = |metrics: &str, name: &str| -> f64 {
-        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
-    };
     // The two prompts and the short one again; what the prompts read, by /metrics and the stats file.
     let serve = |tag: &str, env: &[(&str, &str)]| -> (Vec<String>, f64, Value) {
         let stats = scratch().join(format!("server-long-{tag}.json"));
@@ -779,9 +781,6 @@ fn a_lone_prompts_checkpoints_are_taken_inside_its_one_batch() {
         assert_eq!(status, 200, "{body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         (format!("{} {}", v["content"], v["completion_probabilities"]), u(&v["timings"], "prompt_n"))
-    };
-    let sample = |metrics: &str, name: &str| -> f64 {
-        metrics.lines().find_map(|l| l.strip_prefix(&format!("{name} "))).and_then(|v| v.parse().ok()).unwrap_or_else(|| panic!("no {name} in\n{metrics}"))
     };
     for (name, model, restores) in [("qwen35moe", tiny().to_path_buf(), true), ("gpt-oss", crate::families::family_model("gpt-oss"), false)] {
         let model = model.to_str().unwrap();
