@@ -272,6 +272,7 @@ enum sdq_report_kind {
     SDQ_REPORT_PROPS = 1,      /* a JSON object: the budget and the arena */
     SDQ_REPORT_PROMPT = 2,     /* a JSON object: the prompt being computed, its
                                 * tokens, bytes read and touched experts' bytes */
+    SDQ_REPORT_PROMPT_NONE = 3, /* the same object for a prompt not begun: zeros */
 };
 
 /* The report hook, or 0 (nothing written) with no table installed. */

@@ -835,16 +835,20 @@ fn streamed_chat_progress(port: u16, text: &str) -> (String, Vec<Value>) {
 /// beside llama-server's: the prompt's tokens so far (sdq's are those its
 /// ubatches begun: at least the server's processed less its cached, but the
 /// first, and no more than the prompt), and bytes read and touched that
-/// grow with it.
+/// grow with it; zeros in the event sent before it begins.
 fn check_prompt_progress(tag: &str, progress: &[Value]) {
     let mid: Vec<&Value> = progress.iter().filter(|p| u(p, "processed") > u(p, "cache") && u(p, "processed") < u(p, "total")).collect();
     assert!(!mid.is_empty(), "{tag}: no progress before the prompt's end: {progress:?}");
     let mut last = (0, 0, 0);
-    // (Not the first, sent before anything is computed: its figures may
-    // still be a warm-up's.)
-    for p in progress.iter().filter(|p| u(p, "processed") > u(p, "cache")) {
+    for p in progress {
         let sdq = p.get("sdq").unwrap_or_else(|| panic!("{tag}: no sdq figures in the prompt's progress {p}"));
         let now = (u(sdq, "tokens"), u(sdq, "read_bytes"), u(sdq, "touched_bytes"));
+        // The first, sent before anything is computed: zeros, not the
+        // figures of the prompt before (or of the warm-up).
+        if u(p, "processed") == u(p, "cache") {
+            assert_eq!(now, (0, 0, 0), "{tag}: the prompt's figures before it began: {p}");
+            continue;
+        }
         // The server computes a prompt's first token alone, a step sdq
         // counts as decode (one token).
         let computed = u(p, "processed") - u(p, "cache");

@@ -13,6 +13,9 @@ pub enum Report {
     Props,
     /// The prompt being computed (a streamed prompt's `prompt_progress`).
     Prompt,
+    /// A prompt not begun (its first progress event): zeros, where the
+    /// figures so far would still be the last prompt's.
+    PromptNone,
 }
 
 impl Report {
@@ -21,6 +24,7 @@ impl Report {
             0 => Some(Report::Prometheus),
             1 => Some(Report::Props),
             2 => Some(Report::Prompt),
+            3 => Some(Report::PromptNone),
             _ => None,
         }
     }
@@ -64,7 +68,7 @@ pub fn render(report: Report, stats: &Value) -> String {
     match report {
         Report::Prometheus => prometheus(stats),
         Report::Props => props(stats).to_string(),
-        Report::Prompt => prompt_so_far(0, 0, 0),
+        Report::Prompt | Report::PromptNone => prompt_so_far(0, 0, 0),
     }
 }
 
@@ -115,7 +119,8 @@ mod tests {
     #[test]
     fn the_prompt_so_far_is_an_object_of_its_three_figures() {
         assert_eq!(Report::from_c(2), Some(Report::Prompt));
-        assert_eq!(Report::from_c(3), None);
+        assert_eq!(Report::from_c(3), Some(Report::PromptNone));
+        assert_eq!(Report::from_c(4), None);
         let v: Value = serde_json::from_str(&prompt_so_far(2048, 7 << 20, 5 << 20)).unwrap();
         assert_eq!(v, json!({ "tokens": 2048, "read_bytes": 7 << 20, "touched_bytes": 5 << 20 }));
     }
