@@ -879,19 +879,22 @@ fn a_failed_read_inside_a_grouped_prompt_fails_that_request_only() {
     assert!(stop(probe).success());
     let probe: Value = read_json(&probe_stats);
     let budget = crate::pager::budget_for(&probe, 512 * crate::pager::MIB, 2 * all_arena(&probe, 16) / 8 + crate::pager::MIB);
-    // Reads 60 to 109 fail every try: inside the first prompt's group (one
-    // of its 128 experts, each read once).
-    let plan: Vec<String> = (60..110).map(|n| format!("eio@{n}")).collect();
+    // Every read from the 60th on fails, inside the first prompt's group (one
+    // of its 128 experts, each read once), until the test ends the fault:
+    // how many reads the failed request issues after it is the scheduler's.
+    let fault = scratch().join("server-group-eio.fault");
+    std::fs::write(&fault, b"").unwrap();
     let stats = scratch().join("server-group-eio.json");
     let log = scratch().join("server-group-eio.log");
     let (mut server, port) = start_server_logged(
         &[&args[..], &["--ram-budget", &budget, "--sdq-reserve", "512M", "--sdq-stats", stats.to_str().unwrap()]].concat(),
-        &[("SDQ_FAULT_READ", &plan.join(",")), ("SDQ_READ_BACKOFF_MS", "1"), ("SDQ_PRELOAD", "0")],
+        &[("SDQ_FAULT_READ", &format!("eio@60+,while={}", fault.display())), ("SDQ_READ_BACKOFF_MS", "1"), ("SDQ_PRELOAD", "0")],
         Some(&log),
     );
     let (code, failed) = http(port, "POST", "/completion", Some(&body)).unwrap();
     assert_eq!(code, 500, "{failed}");
-    assert!(failed.contains("injected read fault: EIO") && failed.contains("of layer"), "{failed}");
+    assert!(failed.contains("injected read fault: EIO on read ") && failed.contains("of layer"), "{failed}");
+    std::fs::remove_file(&fault).unwrap();
     let (code, again) = http(port, "POST", "/completion", Some(&body)).unwrap();
     assert_eq!(code, 200, "{again}");
     let content = |b: &str| serde_json::from_str::<Value>(b).unwrap()["content"].as_str().unwrap().to_string();

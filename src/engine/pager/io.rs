@@ -60,6 +60,10 @@ pub struct FaultPlan {
     /// Every try of every read fails with EIO while this file exists (a
     /// fault a test switches on and off in a running process).
     pub eio_while: Option<std::path::PathBuf>,
+    /// The numbered faults (`at`) hold only while this file exists: a test
+    /// fails reads from N on inside one request, then ends the fault before
+    /// the next, however many reads the failed request issued.
+    pub at_while: Option<std::path::PathBuf>,
 }
 
 impl FaultPlan {
@@ -70,7 +74,8 @@ impl FaultPlan {
     /// stays); `eio@N*K` and `eof@N*K` fail its first K attempts only (a
     /// transient fault the retries get past); `eio@N+` fails every read from
     /// N on (a disk that has died); `eio-while=PATH` fails every read while
-    /// PATH exists. `eintr` and `short` hit the first attempt once.
+    /// PATH exists; `while=PATH` lets the numbered faults hit only while PATH
+    /// exists. `eintr` and `short` hit the first attempt once.
     pub fn parse(text: &str) -> Result<FaultPlan, String> {
         let mut plan = FaultPlan::default();
         for item in text.split(',').map(str::trim).filter(|s| !s.is_empty()) {
@@ -79,6 +84,13 @@ impl FaultPlan {
                     return Err(format!("'{item}': eio-while=PATH needs a path"));
                 }
                 plan.eio_while = Some(path.into());
+                continue;
+            }
+            if let Some(path) = item.strip_prefix("while=") {
+                if path.is_empty() {
+                    return Err(format!("'{item}': while=PATH needs a path"));
+                }
+                plan.at_while = Some(path.into());
                 continue;
             }
             if let Some(ms) = item.strip_prefix("delay=") {
@@ -119,6 +131,9 @@ impl FaultPlan {
     fn fault_for(&self, read: u64, attempt: u32) -> Option<Fault> {
         if self.eio_while.as_ref().is_some_and(|p| p.exists()) {
             return Some(Fault::Eio);
+        }
+        if self.at_while.as_ref().is_some_and(|p| !p.exists()) {
+            return None;
         }
         let &PlannedFault { fault, times, .. } = self.at.iter().find(|p| p.read == read || p.onward && read >= p.read)?;
         let hits = match fault {
@@ -407,6 +422,11 @@ mod tests {
         assert_eq!((toggled.fault_for(1, 0), toggled.fault_for(2, 3)), (Some(Fault::Eio), Some(Fault::Eio)));
         std::fs::remove_file(&switch).unwrap();
         assert_eq!(toggled.fault_for(3, 0), None);
+        let ended = FaultPlan::parse(&format!("eio@5+,while={}", switch.display())).unwrap();
+        std::fs::write(&switch, b"").unwrap();
+        assert_eq!((ended.fault_for(4, 0), ended.fault_for(5, 0)), (None, Some(Fault::Eio)));
+        std::fs::remove_file(&switch).unwrap();
+        assert_eq!(ended.fault_for(6, 0), None);
         for (bad, needle) in [
             ("boom@3", "unknown fault 'boom'"),
             ("eio@0", "not a read number"),
@@ -415,6 +435,7 @@ mod tests {
             ("short@3*2", "only eio and eof take *K"),
             ("eintr@3+", "only eio and eof take N+"),
             ("eio-while=", "needs a path"),
+            ("while=", "needs a path"),
         ] {
             let e = FaultPlan::parse(bad).unwrap_err();
             assert!(e.contains(needle), "{bad}: {e}");
